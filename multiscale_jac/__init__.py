@@ -1,0 +1,53 @@
+"""multiscale_jac: per-sample Jacobians and curvature for multi-resolution PyTorch networks.
+
+Layers (each its own module; data flows one way):
+
+1. packing   -- :func:`pack`, :class:`PackedBatch`
+2. adapter   -- :class:`PerSampleFunction` (unmodified model -> pure per-sample function)
+3. subset    -- :class:`ParamSubset` (which parameter entries are differentiated)
+4. engine    -- :func:`per_sample_jacobian`, :class:`JacobianResult`
+5. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
+"""
+
+from . import reference
+from .adapter import PerSampleFunction
+from .engine import per_sample_jacobian
+from .enums import (
+    BatchNormPolicy,
+    FallbackWarning,
+    InputKind,
+    Layout,
+    Mode,
+    Randomness,
+    Strategy,
+)
+from .packing import Bucket, PackedBatch, Signature, pack
+from .result import JacobianResult
+from .subset import ParamSubset
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # packing
+    "Bucket",
+    "PackedBatch",
+    "Signature",
+    "pack",
+    # adapter
+    "PerSampleFunction",
+    # parameter subsets
+    "ParamSubset",
+    # engine
+    "JacobianResult",
+    "per_sample_jacobian",
+    # reference
+    "reference",
+    # option enums and warnings
+    "BatchNormPolicy",
+    "FallbackWarning",
+    "InputKind",
+    "Layout",
+    "Mode",
+    "Randomness",
+    "Strategy",
+]

@@ -1,0 +1,181 @@
+"""Turn an unmodified ``nn.Module`` into a pure per-sample function.
+
+:class:`PerSampleFunction` maps ``(selected values, one sample)`` to the sample's flattened
+output ``(O,)``. The sample is run as a batch of one: every level ``(C_l, *spatial)`` gets a
+leading ``1`` and the model receives the structure the user passed to :func:`pack` (one tensor
+``(1, C, *spatial)`` or a list of ``(1, C_l, *spatial_l)`` tensors). The model's output (after
+the optional ``output_fn``) must keep that batch dim of one; it is dropped and the result is
+flattened. Outputs may be a tensor or a (nested) list/tuple/dict of tensors, flattened leaf by
+leaf in order.
+
+The model itself is never changed: parameters are substituted with
+``torch.func.functional_call`` and buffers are used as they are.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
+
+from .enums import InputKind
+from .subset import ParamSubset
+
+__all__ = ["PerSampleFunction", "flatten_output"]
+
+
+class PerSampleFunction:
+    """A pure function ``f(values, *levels) -> (O,)`` of one sample.
+
+    Args:
+        model: The unmodified model.
+        subset: The parameters to differentiate.
+        kind: How the model takes its input (:class:`~multiscale_jac.enums.InputKind`).
+        output_fn: Optional callable applied to the model's output (batch dim of one kept).
+        eval_batch_norm: Run train-mode BatchNorm layers with their running statistics.
+
+    ``values`` is a tuple with one tensor per selected parameter tensor, in ``subset.names``
+    order, shaped ``subset.selected_shape(name)``. ``levels`` are the sample's levels
+    ``(C_l, *spatial_l)``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        subset: ParamSubset,
+        kind: InputKind,
+        output_fn: Callable[[Any], Any] | None = None,
+        *,
+        eval_batch_norm: bool = False,
+    ) -> None:
+        params = subset.check_model(model)
+        self.model = model
+        self.subset = subset
+        self.kind = InputKind(kind)
+        self.output_fn = output_fn
+        self.eval_batch_norm = eval_batch_norm
+        self._base = {n: p.detach() for n, p in params.items()}
+        # train-mode BatchNorm bumps its ``num_batches_tracked`` buffer in place: give it a
+        # fresh copy per call so neither the model nor a captured tensor is mutated
+        self._bn_counters = {
+            f"{name}.num_batches_tracked" if name else "num_batches_tracked": m.num_batches_tracked
+            for name, m in model.named_modules()
+            if eval_batch_norm and isinstance(m, _BatchNorm) and m.training and m.num_batches_tracked is not None
+        }
+        self._flat_idx = {
+            n: (None if i is None else i.to(self._base[n].device))
+            for n, i in subset.indices.items()
+        }
+
+    @property
+    def params(self) -> dict[str, Tensor]:
+        """All model parameters by name, detached (the point the Jacobian is taken at)."""
+        return dict(self._base)
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the selected parameters (the engine runs there)."""
+        return self._base[self.subset.names[0]].device
+
+    def values(self) -> tuple[Tensor, ...]:
+        """Current values of the selected entries, detached, in ``subset.names`` order."""
+        sel = self.subset.gather(self._base)
+        return tuple(sel[n] for n in self.subset.names)
+
+    def full_params(self, values: tuple[Tensor, ...] | Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """All parameters by name, with the selected entries replaced by ``values``.
+
+        ``values`` may also be a mapping name -> full-shaped tensor (the reference path uses
+        that to differentiate w.r.t. whole tensors).
+        """
+        params = dict(self._base)
+        if isinstance(values, Mapping):
+            params.update(values)
+            return params
+        for name, v in zip(self.subset.names, values):
+            idx = self._flat_idx[name]
+            if idx is None:
+                params[name] = v
+            else:
+                base = self._base[name]
+                params[name] = base.reshape(-1).index_put((idx,), v).view(base.shape)
+        return params
+
+    def call(self, params: Mapping[str, Tensor], levels: tuple[Tensor, ...]) -> Tensor:
+        """Run the model on one sample with ``params``; returns the flat output ``(O,)``."""
+        if self.kind is InputKind.TENSOR:
+            arg: Any = levels[0].unsqueeze(0)
+        else:
+            arg = [lvl.unsqueeze(0) for lvl in levels]
+        if self.eval_batch_norm:
+            params = dict(params)
+            params.update((n, b.clone()) for n, b in self._bn_counters.items())
+            with _EvalBatchNormMode():
+                out = functional_call(self.model, params, (arg,))
+        else:
+            out = functional_call(self.model, dict(params), (arg,))
+        if self.output_fn is not None:
+            out = self.output_fn(out)
+        return flatten_output(out)
+
+    def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
+        return self.call(self.full_params(values), levels)
+
+
+def flatten_output(out: Any, path: str = "output") -> Tensor:
+    """Flatten a per-sample output (tensor or nested list/tuple/dict of tensors) to ``(O,)``.
+
+    Every tensor leaf must have a leading batch dim of one (or be a 0-d scalar).
+
+    Raises:
+        TypeError: a leaf is not a tensor.
+        ValueError: a leaf's leading dim is not one.
+    """
+    leaves: list[Tensor] = []
+    _collect(out, path, leaves)
+    if not leaves:
+        raise ValueError(f"{path} contains no tensors")
+    flat = [t.reshape(-1) for t in leaves]
+    return flat[0] if len(flat) == 1 else torch.cat(flat)
+
+
+def _collect(out: Any, path: str, leaves: list[Tensor]) -> None:
+    if isinstance(out, Tensor):
+        if out.dim() > 0 and out.shape[0] != 1:
+            raise ValueError(
+                f"{path} has shape {tuple(out.shape)}, but for one sample (a batch of one) every "
+                "output must keep a leading batch dim of 1. If the model reduces over the batch, "
+                "move that reduction out of the model or into output_fn"
+            )
+        leaves.append(out)
+    elif isinstance(out, Mapping):
+        for k, v in out.items():
+            _collect(v, f"{path}[{k!r}]", leaves)
+    elif isinstance(out, (list, tuple)):
+        for i, v in enumerate(out):
+            _collect(v, f"{path}[{i}]", leaves)
+    else:
+        raise TypeError(f"{path} is a {type(out).__name__}; model outputs must be tensors or lists/tuples/dicts of tensors")
+
+
+_BN_SIG = inspect.signature(F.batch_norm)
+
+
+class _EvalBatchNormMode(TorchFunctionMode):
+    """Run ``F.batch_norm`` with its running statistics (``training=False``)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            bound = _BN_SIG.bind(*args, **kwargs)
+            if bound.arguments.get("running_mean") is not None:
+                bound.arguments["training"] = False
+            return func(*bound.args, **bound.kwargs)
+        return func(*args, **kwargs)

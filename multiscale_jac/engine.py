@@ -1,0 +1,357 @@
+"""Per-sample Jacobians w.r.t. a parameter subset: the vectorised engine.
+
+Strategies (:class:`~multiscale_jac.enums.Strategy`):
+
+=========  ===========================================  =================================
+strategy   runs                                         when it cannot run
+=========  ===========================================  =================================
+vmap       one ``vmap`` over all samples                >1 shape signature -> bucketed
+bucketed   ``vmap`` within each shape-signature bucket  vmap error -> loop
+loop       the reference loop                           (always runs)
+auto       vmap if one signature, else bucketed         as above
+=========  ===========================================  =================================
+
+A fallback warns (:class:`~multiscale_jac.enums.FallbackWarning`) and is recorded on the result
+(``result.strategy``, ``result.fallback``); with ``strict=True`` it raises instead.
+
+Modes: ``rev`` vmaps ``jacrev`` (one backward per output row, batched); ``fwd`` vmaps JVPs with
+one-hot tangents, one parameter tensor at a time (a tangent on a deep tensor does not travel
+through the layers before it); ``auto`` picks ``fwd`` when P is smaller than the (mean) number
+of outputs per sample, else ``rev``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import jacrev, jvp, vmap
+
+from ._checks import (
+    check_bool,
+    check_chunk_size,
+    check_memory_budget,
+    check_model,
+    check_output_fn,
+    check_train_mode_layers,
+)
+from ._planning import Plan, measure, minimum_bytes, plan_chunks
+from .adapter import PerSampleFunction
+from .enums import BatchNormPolicy, FallbackWarning, Mode, Randomness, Strategy, parse_enum
+from .packing import PackedBatch, pack
+from .reference import loop_jacobian
+from .result import JacobianResult, output_mask_from_sizes
+from .subset import ParamSubset, resolve_subset
+
+__all__ = ["per_sample_jacobian"]
+
+
+def per_sample_jacobian(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    params: ParamSubset | str | list[str] | None = None,
+    output_fn: Callable[[Any], Any] | None = None,
+    mode: str | Mode = "auto",
+    strategy: str | Strategy = "auto",
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+    randomness: str | Randomness = "error",
+    batch_norm: str | BatchNormPolicy = "error",
+    strict: bool = False,
+) -> JacobianResult:
+    """Per-sample Jacobians of ``model``'s outputs w.r.t. a subset of its parameters.
+
+    Args:
+        model: Any ``nn.Module``; called unmodified on each sample as a batch of one.
+        inputs: Anything :func:`~multiscale_jac.pack` accepts, or a ``PackedBatch``.
+        params: A :class:`ParamSubset`, a parameter name/glob or a list of them; default all.
+        output_fn: Applied to the model's output (batch dim of one kept) before flattening,
+            e.g. to reduce it.
+        mode: ``"auto"``, ``"rev"`` or ``"fwd"``.
+        strategy: ``"auto"``, ``"vmap"``, ``"bucketed"`` or ``"loop"``.
+        chunk_size: Samples per vectorised call (``1`` runs the samples one by one through
+            the same code path). Default: from ``memory_budget`` or a working-set target.
+        memory_budget: Bytes the computation may use, including the returned Jacobian; picks
+            samples per call and output rows/tangents per step (estimate in ``docs/design.md``).
+        randomness: ``"error"``, ``"different"`` or ``"same"``, for random ops such as dropout in
+            train mode, as in ``torch.func.vmap``.
+        batch_norm: ``"error"`` or ``"eval"``: what to do with BatchNorm layers in train mode.
+        strict: Raise instead of falling back to another strategy.
+
+    Returns:
+        A :class:`JacobianResult`; ``.jacobian`` is ``(N, O, P)``, outputs padded to the largest
+        ``O`` with ``.output_mask`` when samples have different output sizes.
+
+    Raises:
+        TypeError, ValueError: bad arguments (the message names the offending value).
+    """
+    model = check_model(model)
+    output_fn = check_output_fn(output_fn)
+    mode = parse_enum(Mode, mode, "mode")
+    strategy = parse_enum(Strategy, strategy, "strategy")
+    randomness = parse_enum(Randomness, randomness, "randomness")
+    batch_norm = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
+    chunk_size = check_chunk_size(chunk_size)
+    memory_budget = check_memory_budget(memory_budget)
+    strict = check_bool(strict, "strict")
+    packed = pack(inputs)
+    subset = resolve_subset(params, model)
+    eval_bn = check_train_mode_layers(model, batch_norm, randomness)
+    fn = PerSampleFunction(model, subset, packed.kind, output_fn, eval_batch_norm=eval_bn)
+    for name, v in zip(subset.names, fn.values()):
+        if not v.is_floating_point():
+            raise TypeError(f"parameter {name!r} has dtype {v.dtype}; only floating-point parameters can be differentiated")
+    return _jacobian_impl(
+        fn,
+        packed.to(fn.device),
+        mode=mode,
+        strategy=strategy,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        randomness=randomness,
+        strict=strict,
+    )
+
+
+def _jacobian_impl(
+    fn: PerSampleFunction,
+    packed: PackedBatch,
+    *,
+    mode: Mode,
+    strategy: Strategy,
+    chunk_size: int | None,
+    memory_budget: int | None,
+    randomness: Randomness,
+    strict: bool,
+) -> JacobianResult:
+    buckets = packed.buckets()
+    fallback: str | None = None
+    ran = strategy
+    if strategy is Strategy.AUTO:
+        ran = Strategy.VMAP if len(buckets) == 1 else Strategy.BUCKETED
+    elif strategy is Strategy.VMAP and len(buckets) > 1:
+        why = f"strategy='vmap' needs one shape signature but the batch has {len(buckets)}"
+        if strict:
+            raise ValueError(f"{why}; use strategy='auto' or 'bucketed'")
+        fallback = f"{why}; ran 'bucketed'"
+        _warn(fallback)
+        ran = Strategy.BUCKETED
+
+    record = {"requested_strategy": strategy, "requested_mode": mode, "subset": fn.subset}
+    if ran is not Strategy.LOOP:
+        try:
+            with torch.no_grad():
+                return _vectorised(
+                    fn, packed, ran, mode, chunk_size, memory_budget, randomness, fallback, record
+                )
+        except (RuntimeError, NotImplementedError) as err:
+            if randomness is Randomness.ERROR and "randomness" in str(err):
+                raise ValueError(
+                    "the model calls a random operation (e.g. functional dropout in train mode) "
+                    "while randomness='error'; put the model in eval mode or pass "
+                    "randomness='different' or 'same'"
+                ) from err
+            reason = f"strategy {ran.value!r} failed ({type(err).__name__}: {_first_line(err)}); ran 'loop'"
+            if strict:
+                raise RuntimeError(f"strategy {ran.value!r} cannot run this model: {err}") from err
+            _warn(reason)
+            fallback = reason if fallback is None else f"{fallback}; then {reason}"
+    jac, mask, sizes = loop_jacobian(fn, packed)
+    return JacobianResult(
+        jacobian=jac,
+        output_mask=mask,
+        output_sizes=sizes,
+        strategy=Strategy.LOOP,
+        mode=Mode.REV,
+        fallback=fallback,
+        **record,
+    )
+
+
+def _vectorised(
+    fn: PerSampleFunction,
+    packed: PackedBatch,
+    ran: Strategy,
+    mode: Mode,
+    chunk_size: int | None,
+    memory_budget: int | None,
+    randomness: Randomness,
+    fallback: str | None,
+    record: dict[str, Any],
+) -> JacobianResult:
+    subset = fn.subset
+    values = fn.values()
+    buckets = packed.buckets()
+    firsts = [tuple(lv[0] for lv in packed.stack(b.indices[:1])) for b in buckets]
+    fps = [measure(fn, values, lv) for lv in firsts]
+    n_total = packed.num_samples
+    numel = subset.numel
+    mean_o = sum(fp.outputs * len(b.indices) for fp, b in zip(fps, buckets)) / n_total
+    if mode is Mode.AUTO:
+        mode = Mode.FWD if numel < mean_o else Mode.REV
+    groups = _tangent_groups(subset, mode, randomness)
+
+    sizes_per_sample = [0] * n_total
+    for fp, b in zip(fps, buckets):
+        for i in b.indices:
+            sizes_per_sample[i] = fp.outputs
+    o_max = max(sizes_per_sample)
+    ref = values[0]
+    jac = ref.new_zeros((n_total, o_max, numel))
+    available = None
+    if memory_budget is not None:
+        result_bytes = jac.numel() * jac.element_size()
+        need = max(
+            minimum_bytes(
+                fp,
+                mode=mode,
+                numel=numel,
+                itemsize=jac.element_size(),
+                samples=min(chunk_size or 1, len(b.indices)),
+            )
+            for fp, b in zip(fps, buckets)
+        )
+        if result_bytes + need > memory_budget:
+            unit = "output row" if mode is Mode.REV else "tangent"
+            per_call = f"{chunk_size} samples" if chunk_size not in (None, 1) else "one sample"
+            raise ValueError(
+                f"memory_budget={memory_budget} bytes is below the estimated minimum of "
+                f"{result_bytes + need} bytes: the result {tuple(jac.shape)} ({jac.dtype}) takes "
+                f"{result_bytes} and {per_call} with one {unit} at a time needs {need}"
+            )
+        available = memory_budget - result_bytes
+    plans: list[Plan] = []
+    for fp, b in zip(fps, buckets):
+        full_inner = fp.outputs if mode is Mode.REV else max(hi - lo for lo, hi in groups)
+        plans.append(
+            plan_chunks(
+                fp,
+                mode=mode,
+                numel=numel,
+                full_inner=full_inner,
+                itemsize=jac.element_size(),
+                bucket_size=len(b.indices),
+                chunk_size=chunk_size,
+                available=available,
+                device=jac.device,
+            )
+        )
+
+    for b, fp, plan in zip(buckets, fps, plans):
+        for start in range(0, len(b.indices), plan.samples):
+            idx = b.indices[start : start + plan.samples]
+            levels = packed.stack(idx)
+            rows = slice(0, fp.outputs)
+            target = slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1)) else idx
+            if mode is Mode.REV:
+                blocks = _rev_block(fn, values, levels, plan.inner, randomness)
+                for name, blk in zip(subset.names, blocks):
+                    lo, hi = subset.offsets[name]
+                    jac[target, rows, lo:hi] = blk.reshape(len(idx), fp.outputs, hi - lo)
+            else:
+                for lo, hi in groups:
+                    jac[target, rows, lo:hi] = _fwd_block(fn, values, levels, (lo, hi), plan.inner, randomness)
+
+    return JacobianResult(
+        jacobian=jac,
+        output_mask=output_mask_from_sizes(tuple(sizes_per_sample), jac.device),
+        output_sizes=tuple(sizes_per_sample),
+        strategy=ran,
+        mode=mode,
+        chunk_size=max(p.samples for p in plans),
+        inner_chunk_size=_min_or_none(p.inner for p in plans),
+        fallback=fallback,
+        **record,
+    )
+
+
+def _rev_block(
+    fn: PerSampleFunction,
+    values: tuple[Tensor, ...],
+    levels: list[Tensor],
+    inner: int | None,
+    randomness: Randomness,
+) -> tuple[Tensor, ...]:
+    """``(n, O, *selected_shape)`` per selected tensor, by vmap over jacrev."""
+    in_dims = (None,) + (0,) * len(levels)
+    jf = jacrev(fn, argnums=0, chunk_size=inner)
+    return vmap(jf, in_dims=in_dims, randomness=randomness.value)(values, *levels)
+
+
+def _fwd_block(
+    fn: PerSampleFunction,
+    values: tuple[Tensor, ...],
+    levels: list[Tensor],
+    span: tuple[int, int],
+    inner: int | None,
+    randomness: Randomness,
+) -> Tensor:
+    """``(n, O, hi - lo)``: columns ``[lo, hi)`` of the flat order by vmapped one-hot JVPs.
+
+    Only the tensors overlapping ``span`` carry tangents (``span`` covers whole tensors).
+    """
+    subset = fn.subset
+    lo, hi = span
+    names = subset.names
+    offsets = subset.offsets
+    active = [k for k, n in enumerate(names) if lo <= offsets[n][0] and offsets[n][1] <= hi]
+    width = hi - lo
+    step = inner or width
+    inner_rand = "error" if randomness is Randomness.ERROR else "same"
+
+    def per_sample(vals: tuple[Tensor, ...], *lv: Tensor) -> Tensor:
+        def f_active(*act: Tensor) -> Tensor:
+            full = list(vals)
+            for k, a in zip(active, act):
+                full[k] = a
+            return fn(tuple(full), *lv)
+
+        primals = tuple(vals[k] for k in active)
+
+        def one(tangent: Tensor) -> Tensor:
+            tangents = []
+            for k in active:
+                a, b = offsets[names[k]]
+                tangents.append(tangent[a - lo : b - lo].reshape(vals[k].shape))
+            return jvp(f_active, primals, tuple(tangents))[1]
+
+        cols = []
+        for s in range(0, width, step):
+            c = min(step, width - s)
+            basis = vals[0].new_zeros((c, width))
+            basis[torch.arange(c), torch.arange(s, s + c)] = 1
+            cols.append(vmap(one, randomness=inner_rand)(basis))
+        return torch.cat(cols).transpose(0, 1)
+
+    in_dims = (None,) + (0,) * len(levels)
+    return vmap(per_sample, in_dims=in_dims, randomness=randomness.value)(values, *levels)
+
+
+def _tangent_groups(subset: ParamSubset, mode: Mode, randomness: Randomness) -> list[tuple[int, int]]:
+    """Column spans that get their own forward pass in fwd mode.
+
+    One span per tensor, so that a tangent on a deep tensor starts there; all at once when the
+    forward pass is random (every column must see the same dropout mask).
+    """
+    if mode is Mode.REV or randomness is not Randomness.ERROR:
+        return [(0, subset.numel)]
+    return [subset.offsets[n] for n in subset.names]
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, FallbackWarning, stacklevel=4)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def _min_or_none(xs: Any) -> int | None:
+    vals = [x for x in xs if x is not None]
+    return min(vals) if vals else None
+

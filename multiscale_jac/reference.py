@@ -1,0 +1,97 @@
+"""The loop reference: slow, obviously correct, the oracle for every test.
+
+One sample at a time (run as a batch of one, exactly as the engine calls the model), one output
+row at a time, plain ``torch.autograd.grad`` w.r.t. the *whole* selected parameter tensors,
+then the selected entries are picked out. It is also the engine's last-resort fallback
+(``strategy="loop"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._checks import check_model, check_output_fn, check_train_mode_layers
+from .adapter import PerSampleFunction
+from .enums import BatchNormPolicy, Mode, Randomness, Strategy, parse_enum
+from .packing import PackedBatch, pack
+from .result import JacobianResult, output_mask_from_sizes
+from .subset import ParamSubset, resolve_subset
+
+__all__ = ["per_sample_jacobian_loop"]
+
+
+def per_sample_jacobian_loop(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    params: ParamSubset | str | list[str] | None = None,
+    output_fn: Callable[[Any], Any] | None = None,
+    batch_norm: str | BatchNormPolicy = "error",
+    randomness: str | Randomness = "error",
+) -> JacobianResult:
+    """Per-sample Jacobians by a plain loop over samples and output rows.
+
+    Arguments mean what they mean for :func:`multiscale_jac.per_sample_jacobian`.
+
+    Returns:
+        A :class:`~multiscale_jac.result.JacobianResult` with ``strategy="loop"``,
+        ``mode="rev"``; ``jacobian`` is ``(N, O, P)``.
+    """
+    model = check_model(model)
+    output_fn = check_output_fn(output_fn)
+    batch_norm = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
+    randomness = parse_enum(Randomness, randomness, "randomness")
+    packed = pack(inputs)
+    subset = resolve_subset(params, model)
+    eval_bn = check_train_mode_layers(model, batch_norm, randomness)
+    fn = PerSampleFunction(model, subset, packed.kind, output_fn, eval_batch_norm=eval_bn)
+    jac, mask, sizes = loop_jacobian(fn, packed)
+    return JacobianResult(
+        jacobian=jac,
+        output_mask=mask,
+        output_sizes=sizes,
+        subset=subset,
+        strategy=Strategy.LOOP,
+        mode=Mode.REV,
+        requested_strategy=Strategy.LOOP,
+        requested_mode=Mode.REV,
+    )
+
+
+def loop_jacobian(
+    fn: PerSampleFunction, packed: PackedBatch
+) -> tuple[Tensor, Tensor | None, tuple[int, ...]]:
+    """The loop itself: ``(jacobian (N, O, P), output_mask (N, O) or None, output sizes)``."""
+    subset = fn.subset
+    device = next(iter(fn.values())).device
+    packed = packed.to(device)
+    rows_per_sample: list[Tensor] = []
+    for i in range(packed.num_samples):
+        levels = tuple(packed.sample(i))
+        leaves = {n: fn.params[n].clone().requires_grad_(True) for n in subset.names}
+        with torch.enable_grad():
+            out = fn.call(fn.full_params(leaves), levels)
+            rows = []
+            for r in range(out.numel()):
+                grads = torch.autograd.grad(
+                    out[r], list(leaves.values()), retain_graph=True, allow_unused=True
+                )
+                full = {
+                    n: torch.zeros_like(leaves[n]) if g is None else g
+                    for n, g in zip(leaves, grads)
+                }
+                rows.append(subset.flatten(full))
+        rows_per_sample.append(
+            torch.stack(rows) if rows else out.new_zeros((0, subset.numel))
+        )
+    sizes = tuple(int(r.shape[0]) for r in rows_per_sample)
+    o_max = max(sizes)
+    first = rows_per_sample[0]
+    jac = first.new_zeros((packed.num_samples, o_max, subset.numel))
+    for i, r in enumerate(rows_per_sample):
+        jac[i, : r.shape[0]] = r
+    return jac, output_mask_from_sizes(sizes, jac.device), sizes

@@ -1,0 +1,255 @@
+"""The model/case zoo, as data.
+
+Every case builds a small float64 model (in eval mode) and a batch of inputs in one of the forms
+``pack`` accepts. Output sizes stay small so that the loop reference is quick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import multiscale_jac as mj
+from multiscale_jac.models import ConvBlock, TinyFPN
+
+DTYPE = torch.float64
+
+
+# ---------------------------------------------------------------------- zoo models
+class BNCNN(nn.Module):
+    """conv-BN-ReLU x2, global average pooling per level, mean over levels, linear classifier."""
+
+    def __init__(self, in_ch: int = 3, width: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_ch, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1, stride=2),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+        )
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, levels: Sequence[Tensor]) -> Tensor:
+        pooled = [self.features(x).mean(dim=(2, 3)) for x in levels]
+        return self.fc(torch.stack(pooled).mean(0))
+
+
+class DenseHead(nn.Module):
+    """Per-pixel logits whose size follows the input: (B, K, H, W). Takes a tensor or a list."""
+
+    def __init__(self, in_ch: int = 2, width: int = 3, classes: int = 2) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_ch, width, 3, padding=1), nn.Tanh())
+        self.cls = nn.Conv2d(width, classes, 1)
+
+    def forward(self, x: Tensor | Sequence[Tensor]) -> Tensor:
+        if isinstance(x, (list, tuple)):
+            x = x[0]
+        return self.cls(self.body(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 5, hidden: int = 6, d_out: int = 3) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class Conv1dNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(2, 3, 3, padding=1)
+        self.c2 = nn.Conv1d(3, 2, 3, stride=2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c2(torch.tanh(self.c1(x))).flatten(1)
+
+
+class Conv3dNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv3d(1, 2, 2)
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.tanh(self.c1(x)).amax(dim=(2, 3, 4)))
+
+
+class SharedDictHead(nn.Module):
+    """A shared module called on every level; returns a dict of per-level outputs."""
+
+    def __init__(self, channels: Sequence[int] = (2, 3), width: int = 3) -> None:
+        super().__init__()
+        self.proj = nn.ModuleList(nn.Conv2d(c, width, 1) for c in channels)
+        self.shared = nn.Conv2d(width, 2, 3, padding=1)
+
+    def forward(self, levels: Sequence[Tensor]) -> dict[str, Tensor]:
+        return {
+            f"p{k}": torch.tanh(self.shared(F.relu(p(x)))).amax(dim=(2, 3))
+            for k, (p, x) in enumerate(zip(self.proj, levels))
+        }
+
+
+class TiedLinear(nn.Module):
+    """Two layers sharing one weight (``b.weight`` is ``a.weight``): one parameter, two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+# ---------------------------------------------------------------------- inputs
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def ragged_samples(sizes: Sequence[Sequence[tuple[int, ...]]], channels: Sequence[int], seed: int = 0) -> list[list[Tensor]]:
+    """``sizes[i][l]`` is the spatial size of sample i at level l."""
+    g = _gen(seed)
+    return [[torch.randn(c, *s, generator=g, dtype=DTYPE) for c, s in zip(channels, sig)] for sig in sizes]
+
+
+def batched_levels(n: int, shapes: Sequence[tuple[int, ...]], seed: int = 0) -> list[Tensor]:
+    g = _gen(seed)
+    return [torch.randn(n, *s, generator=g, dtype=DTYPE) for s in shapes]
+
+
+def batched_tensor(n: int, shape: tuple[int, ...], seed: int = 0) -> Tensor:
+    return torch.randn(n, *shape, generator=_gen(seed), dtype=DTYPE)
+
+
+# ---------------------------------------------------------------------- cases
+@dataclass(frozen=True)
+class Case:
+    """One zoo entry: ``model()`` builds the float64 eval-mode model, ``inputs()`` the batch."""
+
+    id: str
+    model: Callable[[], nn.Module]
+    inputs: Callable[[], Any]
+    glob: str
+    ragged: bool = False
+    ragged_outputs: bool = False
+    output_fn: Callable[[Any], Any] | None = None
+
+    def build(self) -> nn.Module:
+        torch.manual_seed(sum(map(ord, self.id)))
+        return self.model().to(DTYPE).eval()
+
+
+def _seed_convblock() -> nn.Module:
+    return ConvBlock(3, 8)
+
+
+def _fpn() -> nn.Module:
+    return TinyFPN((3, 4), width=3, num_outputs=2, extra_levels=1)
+
+
+def _bn_cnn() -> nn.Module:
+    m = BNCNN()
+    # non-trivial running statistics, so that eval mode differs from a fresh layer
+    for bn in (m.features[1], m.features[4]):
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    return m
+
+
+CASES: list[Case] = [
+    Case(
+        "seed_convblock_levels",
+        _seed_convblock,
+        lambda: batched_levels(3, [(3, 8, 8), (3, 7, 9)]),
+        glob="conv.2.*",
+    ),
+    Case(
+        "seed_convblock_ragged",
+        _seed_convblock,
+        lambda: ragged_samples([[(8, 8), (7, 7)], [(9, 7), (7, 7)], [(8, 8), (7, 7)]], [3, 3]),
+        glob="conv.0.*",
+        ragged=True,
+        ragged_outputs=True,
+        output_fn=lambda y: y.sum(dim=1),  # the seed's "operation to reduce the outputs"
+    ),
+    Case(
+        "fpn_ragged",
+        _fpn,
+        lambda: ragged_samples([[(4, 4), (2, 2)], [(3, 5), (2, 3)], [(4, 4), (2, 2)], [(1, 1), (1, 1)]], [3, 4]),
+        glob="head.*",
+        ragged=True,
+        ragged_outputs=True,
+    ),
+    Case(
+        "bn_cnn_multicrop",
+        _bn_cnn,
+        lambda: ragged_samples([[(5, 5), (3, 3)], [(6, 4), (2, 3)], [(5, 5), (3, 3)]], [3, 3]),
+        glob="features.*",
+        ragged=True,
+    ),
+    Case(
+        "dense_per_pixel",
+        DenseHead,
+        lambda: ragged_samples([[(3, 4)], [(2, 2)], [(3, 4)], [(4, 3)], [(1, 2)]], [2]),
+        glob="cls.*",
+        ragged=True,
+        ragged_outputs=True,
+    ),
+    Case("dense_tensor", DenseHead, lambda: batched_tensor(2, (2, 3, 3)), glob="body.*"),
+    Case("mlp_vectors", MLP, lambda: batched_tensor(5, (5,)), glob="net.0.*"),
+    Case("conv1d", Conv1dNet, lambda: batched_tensor(3, (2, 7)), glob="c2.*"),
+    Case("conv3d", Conv3dNet, lambda: batched_tensor(2, (1, 3, 3, 2)), glob="c1.weight"),
+    Case(
+        "shared_dict_head",
+        SharedDictHead,
+        lambda: ragged_samples([[(3, 3), (2, 2)], [(4, 2), (1, 3)]], [2, 3]),
+        glob="shared.*",
+        ragged=True,
+    ),
+    Case("tied_weights", TiedLinear, lambda: batched_tensor(3, (4,)), glob="*.weight"),
+]
+
+CASE_IDS = [c.id for c in CASES]
+
+SUBSET_KINDS = ["all", "names", "elements", "flat", "mask"]
+
+
+def make_subset(model: nn.Module, kind: str, case: Case, seed: int = 0) -> mj.ParamSubset:
+    """A subset of the given kind; element kinds pick a few entries across several tensors."""
+    g = _gen(seed)
+    params = dict(model.named_parameters())
+    if kind == "all":
+        return mj.ParamSubset.all(model)
+    if kind == "names":
+        return mj.ParamSubset.from_names(model, case.glob)
+    if kind == "elements":
+        chosen = {}
+        for n, p in list(params.items())[::2] or list(params.items()):
+            k = min(3, p.numel())
+            chosen[n] = torch.randperm(p.numel(), generator=g)[:k]
+        # the first and last entry of the last tensor are edge cases
+        last, p = list(params.items())[-1]
+        chosen[last] = torch.tensor([0, p.numel() - 1]).unique()
+        return mj.ParamSubset.from_indices(model, chosen)
+    if kind == "flat":
+        total = sum(p.numel() for p in params.values())
+        return mj.ParamSubset.from_flat_indices(model, torch.randperm(total, generator=g)[: min(7, total)])
+    if kind == "mask":
+        masks = {}
+        for n, p in list(params.items())[:2]:
+            m = torch.rand(p.shape, generator=g) < 0.4
+            m.view(-1)[0] = True
+            masks[n] = m
+        return mj.ParamSubset.from_mask(model, masks)
+    raise ValueError(kind)

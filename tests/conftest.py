@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from cases import CASES, make_subset  # noqa: E402
+
+import multiscale_jac as mj  # noqa: E402
+from multiscale_jac.reference import per_sample_jacobian_loop  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev", max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+torch.set_num_threads(min(torch.get_num_threads(), 2))
+
+CASE_BY_ID = {c.id: c for c in CASES}
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_model(case_id: str) -> torch.nn.Module:
+    return CASE_BY_ID[case_id].build()
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_reference(case_id: str, subset_kind: str) -> tuple[mj.ParamSubset, mj.JacobianResult]:
+    """The loop oracle for a zoo case and subset kind (computed once per session)."""
+    case = CASE_BY_ID[case_id]
+    model = zoo_model(case_id)
+    subset = make_subset(model, subset_kind, case)
+    ref = per_sample_jacobian_loop(model, case.inputs(), params=subset, output_fn=case.output_fn)
+    return subset, ref
+
+
+@pytest.fixture
+def cuda_device() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda")
