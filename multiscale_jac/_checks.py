@@ -74,7 +74,9 @@ def check_train_mode_layers(
             ``randomness="error"``.
     """
     bn_train = [
-        (name or "<model>", m) for name, m in model.named_modules() if isinstance(m, _BatchNorm) and m.training
+        (name or "<model>", m)
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and m.training
     ]
     if bn_train and batch_norm is BatchNormPolicy.ERROR:
         name, m = bn_train[0]

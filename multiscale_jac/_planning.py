@@ -49,7 +49,9 @@ class Plan:
     inner: int | None
 
 
-def measure(fn: PerSampleFunction, values: tuple[Tensor, ...], levels: tuple[Tensor, ...]) -> Footprint:
+def measure(
+    fn: PerSampleFunction, values: tuple[Tensor, ...], levels: tuple[Tensor, ...]
+) -> Footprint:
     """Run one sample forward with autograd on and record saved-tensor sizes and ``O``."""
     seen: dict[int, int] = {}
 

@@ -67,7 +67,10 @@ class PerSampleFunction:
         self._bn_counters = {
             f"{name}.num_batches_tracked" if name else "num_batches_tracked": m.num_batches_tracked
             for name, m in model.named_modules()
-            if eval_batch_norm and isinstance(m, _BatchNorm) and m.training and m.num_batches_tracked is not None
+            if eval_batch_norm
+            and isinstance(m, _BatchNorm)
+            and m.training
+            and m.num_batches_tracked is not None
         }
         self._flat_idx = {
             n: (None if i is None else i.to(self._base[n].device))
@@ -162,7 +165,9 @@ def _collect(out: Any, path: str, leaves: list[Tensor]) -> None:
         for i, v in enumerate(out):
             _collect(v, f"{path}[{i}]", leaves)
     else:
-        raise TypeError(f"{path} is a {type(out).__name__}; model outputs must be tensors or lists/tuples/dicts of tensors")
+        raise TypeError(
+            f"{path} is a {type(out).__name__}; model outputs must be tensors or lists/tuples/dicts of tensors"
+        )
 
 
 _BN_SIG = inspect.signature(F.batch_norm)
@@ -171,7 +176,9 @@ _BN_SIG = inspect.signature(F.batch_norm)
 class _EvalBatchNormMode(TorchFunctionMode):
     """Run ``F.batch_norm`` with its running statistics (``training=False``)."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.batch_norm:
             bound = _BN_SIG.bind(*args, **kwargs)

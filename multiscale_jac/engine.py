@@ -104,7 +104,9 @@ def per_sample_jacobian(
     fn = PerSampleFunction(model, subset, packed.kind, output_fn, eval_batch_norm=eval_bn)
     for name, v in zip(subset.names, fn.values()):
         if not v.is_floating_point():
-            raise TypeError(f"parameter {name!r} has dtype {v.dtype}; only floating-point parameters can be differentiated")
+            raise TypeError(
+                f"parameter {name!r} has dtype {v.dtype}; only floating-point parameters can be differentiated"
+            )
     return _jacobian_impl(
         fn,
         packed.to(fn.device),
@@ -254,7 +256,9 @@ def _vectorised(
                     jac[target, rows, lo:hi] = blk.reshape(len(idx), fp.outputs, hi - lo)
             else:
                 for lo, hi in groups:
-                    jac[target, rows, lo:hi] = _fwd_block(fn, values, levels, (lo, hi), plan.inner, randomness)
+                    jac[target, rows, lo:hi] = _fwd_block(
+                        fn, values, levels, (lo, hi), plan.inner, randomness
+                    )
 
     return JacobianResult(
         jacobian=jac,
@@ -331,7 +335,9 @@ def _fwd_block(
     return vmap(per_sample, in_dims=in_dims, randomness=randomness.value)(values, *levels)
 
 
-def _tangent_groups(subset: ParamSubset, mode: Mode, randomness: Randomness) -> list[tuple[int, int]]:
+def _tangent_groups(
+    subset: ParamSubset, mode: Mode, randomness: Randomness
+) -> list[tuple[int, int]]:
     """Column spans that get their own forward pass in fwd mode.
 
     One span per tensor, so that a tangent on a deep tensor starts there; all at once when the
@@ -354,4 +360,3 @@ def _first_line(err: BaseException) -> str:
 def _min_or_none(xs: Any) -> int | None:
     vals = [x for x in xs if x is not None]
     return min(vals) if vals else None
-

@@ -205,7 +205,9 @@ class PackedBatch:
         """
         levels = [t.to(*args, **kwargs) for t in self.levels]
         if not levels[0].is_floating_point():
-            raise TypeError(f"PackedBatch.to: feature maps must stay floating point, got {levels[0].dtype}")
+            raise TypeError(
+                f"PackedBatch.to: feature maps must stay floating point, got {levels[0].dtype}"
+            )
         if all(a is b for a, b in zip(levels, self.levels)):
             return self
         return PackedBatch(levels, self.signatures, self.kind, self.layout)
@@ -263,13 +265,16 @@ def pack(samples: Any, *, layout: str | Layout = "padded") -> PackedBatch:
         raise ValueError("pack got an empty list of samples; it needs at least one sample")
     if all(isinstance(s, Tensor) for s in samples):
         return _pack_levels(list(samples), layout)
-    for i, s in enumerate(samples):
-        if not isinstance(s, (list, tuple)):
-            raise TypeError(
-                f"samples[{i}] is a {type(s).__name__}; pack expects either every element to "
-                "be a batched tensor (one per level) or every element to be a list of tensors "
-                "(one sample)"
-            )
+    bad = [i for i, s in enumerate(samples) if not isinstance(s, (list, tuple))]
+    if bad:
+        i = bad[0]
+        first_list = next((j for j, s in enumerate(samples) if isinstance(s, (list, tuple))), None)
+        also = "" if first_list is None else f" but samples[{first_list}] is a list"
+        raise TypeError(
+            f"samples[{i}] is a {type(samples[i]).__name__}{also}; pack expects either every "
+            "element to be a batched tensor (one per level) or every element to be a list of "
+            "tensors (one sample)"
+        )
     return _pack_samples([list(s) for s in samples], layout)
 
 
@@ -372,7 +377,6 @@ def _check_common(tensors: Sequence[Tensor], name: Any) -> None:
             raise TypeError(f"{name(j)} has dtype {t.dtype} but {name(0)} has {ref.dtype}")
         if t.device != ref.device:
             raise ValueError(f"{name(j)} is on {t.device} but {name(0)} is on {ref.device}")
-
 
 
 def _crop(t: Tensor, size: Sequence[int]) -> Tensor:

@@ -85,9 +85,7 @@ def loop_jacobian(
                     for n, g in zip(leaves, grads)
                 }
                 rows.append(subset.flatten(full))
-        rows_per_sample.append(
-            torch.stack(rows) if rows else out.new_zeros((0, subset.numel))
-        )
+        rows_per_sample.append(torch.stack(rows) if rows else out.new_zeros((0, subset.numel)))
     sizes = tuple(int(r.shape[0]) for r in rows_per_sample)
     o_max = max(sizes)
     first = rows_per_sample[0]

@@ -8,9 +8,9 @@ whatever order the names or indices were given in.
 
 from __future__ import annotations
 
-import math
 import difflib
 import fnmatch
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -66,7 +66,9 @@ class ParamSubset:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def all(cls, model: nn.Module | Mapping[str, Tensor], *, trainable_only: bool = False) -> ParamSubset:
+    def all(
+        cls, model: nn.Module | Mapping[str, Tensor], *, trainable_only: bool = False
+    ) -> ParamSubset:
         """Every parameter tensor of ``model`` (only those with ``requires_grad`` if asked)."""
         params = _named_params(model)[0]
         if trainable_only:
@@ -74,11 +76,16 @@ class ParamSubset:
         else:
             names = list(params)
         if not names:
-            raise ValueError("the model has no parameters to select" + (" that require grad" if trainable_only else ""))
+            raise ValueError(
+                "the model has no parameters to select"
+                + (" that require grad" if trainable_only else "")
+            )
         return cls(_layout_of(params), dict.fromkeys(names))
 
     @classmethod
-    def from_names(cls, model: nn.Module | Mapping[str, Tensor], patterns: str | Iterable[str]) -> ParamSubset:
+    def from_names(
+        cls, model: nn.Module | Mapping[str, Tensor], patterns: str | Iterable[str]
+    ) -> ParamSubset:
         """Whole tensors by exact name or ``fnmatch`` glob (``*`` also matches dots).
 
         ``"head.*"`` matches ``head.0.weight``; ``"*.bias"`` matches every bias.
@@ -103,9 +110,7 @@ class ParamSubset:
             if any(c in pat for c in _GLOB_CHARS):
                 hits = [n for n in [*params, *aliases] if fnmatch.fnmatchcase(n, pat)]
                 if not hits:
-                    raise ValueError(
-                        f"pattern {pat!r} matches no parameter; {_available(params)}"
-                    )
+                    raise ValueError(f"pattern {pat!r} matches no parameter; {_available(params)}")
                 chosen.update(aliases.get(n, n) for n in hits)
                 continue
             raise ValueError(_unknown_name(pat, params))
@@ -125,7 +130,9 @@ class ParamSubset:
         """
         params, aliases = _named_params(model)
         if not isinstance(indices, Mapping):
-            raise TypeError(f"from_indices expects a dict {{name: indices}}; got {type(indices).__name__}")
+            raise TypeError(
+                f"from_indices expects a dict {{name: indices}}; got {type(indices).__name__}"
+            )
         if not indices:
             raise ValueError("from_indices got an empty dict")
         sel: dict[str, Tensor | None] = {}
@@ -139,7 +146,9 @@ class ParamSubset:
         return cls(_layout_of(params), sel)
 
     @classmethod
-    def from_flat_indices(cls, model: nn.Module | Mapping[str, Tensor], indices: Any) -> ParamSubset:
+    def from_flat_indices(
+        cls, model: nn.Module | Mapping[str, Tensor], indices: Any
+    ) -> ParamSubset:
         """Entries by index into ``parameters_to_vector(model.parameters())``.
 
         Raises:
@@ -159,7 +168,9 @@ class ParamSubset:
         return cls(_layout_of(params), sel)
 
     @classmethod
-    def from_mask(cls, model: nn.Module | Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> ParamSubset:
+    def from_mask(
+        cls, model: nn.Module | Mapping[str, Tensor], masks: Mapping[str, Tensor]
+    ) -> ParamSubset:
         """Entries where a boolean mask shaped like the parameter is True.
 
         Raises:
@@ -365,7 +376,9 @@ def resolve_subset(params: Any, model: nn.Module) -> ParamSubset:
 
 
 # ---------------------------------------------------------------------- helpers
-def _named_params(model: nn.Module | Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+def _named_params(
+    model: nn.Module | Mapping[str, Tensor],
+) -> tuple[dict[str, Tensor], dict[str, str]]:
     """Parameters by canonical name, and a map alias -> canonical name for tied weights."""
     if isinstance(model, nn.Module):
         params = dict(model.named_parameters())
@@ -399,15 +412,22 @@ def _check_indices(idx: Any, numel: int, what: str) -> Tensor:
             raise TypeError(f"{what} must be integers; got dtype {arr.dtype}")
         t = torch.from_numpy(arr.astype(np.int64))
     else:
-        raise TypeError(f"{what} must be a LongTensor, an integer array or a list of ints; got {type(idx).__name__}")
+        raise TypeError(
+            f"{what} must be a LongTensor, an integer array or a list of ints; got {type(idx).__name__}"
+        )
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{what} must be integers; got dtype {t.dtype}" + (" (use from_mask for boolean masks)" if t.dtype == torch.bool else ""))
+        raise TypeError(
+            f"{what} must be integers; got dtype {t.dtype}"
+            + (" (use from_mask for boolean masks)" if t.dtype == torch.bool else "")
+        )
     t = t.reshape(-1).to(torch.int64)
     if t.numel() == 0:
         raise ValueError(f"{what} is empty")
     bad = t[(t < 0) | (t >= numel)]
     if bad.numel():
-        raise ValueError(f"{what}: index {int(bad[0])} is out of range for {numel} entries (valid: 0..{numel - 1})")
+        raise ValueError(
+            f"{what}: index {int(bad[0])} is out of range for {numel} entries (valid: 0..{numel - 1})"
+        )
     s = t.sort().values
     dup = s[1:][s[1:] == s[:-1]]
     if dup.numel():
@@ -418,7 +438,9 @@ def _check_indices(idx: Any, numel: int, what: str) -> Tensor:
 def _batch_shape(t: Tensor, shape: torch.Size, name: str) -> torch.Size:
     k = len(shape)
     if t.dim() < k or t.shape[t.dim() - k :] != shape:
-        raise ValueError(f"tensor for {name!r} has shape {tuple(t.shape)}; expected (*batch, {', '.join(map(str, shape))})")
+        raise ValueError(
+            f"tensor for {name!r} has shape {tuple(t.shape)}; expected (*batch, {', '.join(map(str, shape))})"
+        )
     return t.shape[: t.dim() - k]
 
 
@@ -432,4 +454,3 @@ def _available(params: Mapping[str, Tensor]) -> str:
     names = list(params)
     shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
     return f"the model's parameters are: {shown}"
-

@@ -117,10 +117,15 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def ragged_samples(sizes: Sequence[Sequence[tuple[int, ...]]], channels: Sequence[int], seed: int = 0) -> list[list[Tensor]]:
+def ragged_samples(
+    sizes: Sequence[Sequence[tuple[int, ...]]], channels: Sequence[int], seed: int = 0
+) -> list[list[Tensor]]:
     """``sizes[i][l]`` is the spatial size of sample i at level l."""
     g = _gen(seed)
-    return [[torch.randn(c, *s, generator=g, dtype=DTYPE) for c, s in zip(channels, sig)] for sig in sizes]
+    return [
+        [torch.randn(c, *s, generator=g, dtype=DTYPE) for c, s in zip(channels, sig)]
+        for sig in sizes
+    ]
 
 
 def batched_levels(n: int, shapes: Sequence[tuple[int, ...]], seed: int = 0) -> list[Tensor]:
@@ -186,7 +191,9 @@ CASES: list[Case] = [
     Case(
         "fpn_ragged",
         _fpn,
-        lambda: ragged_samples([[(4, 4), (2, 2)], [(3, 5), (2, 3)], [(4, 4), (2, 2)], [(1, 1), (1, 1)]], [3, 4]),
+        lambda: ragged_samples(
+            [[(4, 4), (2, 2)], [(3, 5), (2, 3)], [(4, 4), (2, 2)], [(1, 1), (1, 1)]], [3, 4]
+        ),
         glob="head.*",
         ragged=True,
         ragged_outputs=True,
@@ -244,7 +251,9 @@ def make_subset(model: nn.Module, kind: str, case: Case, seed: int = 0) -> mj.Pa
         return mj.ParamSubset.from_indices(model, chosen)
     if kind == "flat":
         total = sum(p.numel() for p in params.values())
-        return mj.ParamSubset.from_flat_indices(model, torch.randperm(total, generator=g)[: min(7, total)])
+        return mj.ParamSubset.from_flat_indices(
+            model, torch.randperm(total, generator=g)[: min(7, total)]
+        )
     if kind == "mask":
         masks = {}
         for n, p in list(params.items())[:2]:

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from cases import CASES, make_subset  # noqa: E402
+from cases import CASES, make_subset
 
-import multiscale_jac as mj  # noqa: E402
-from multiscale_jac.reference import per_sample_jacobian_loop  # noqa: E402
+import multiscale_jac as mj
+from multiscale_jac.reference import per_sample_jacobian_loop
 
 settings.register_profile(
     "ci",
@@ -33,12 +33,12 @@ torch.set_num_threads(min(torch.get_num_threads(), 2))
 CASE_BY_ID = {c.id: c for c in CASES}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zoo_model(case_id: str) -> torch.nn.Module:
     return CASE_BY_ID[case_id].build()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zoo_reference(case_id: str, subset_kind: str) -> tuple[mj.ParamSubset, mj.JacobianResult]:
     """The loop oracle for a zoo case and subset kind (computed once per session)."""
     case = CASE_BY_ID[case_id]

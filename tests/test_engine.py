@@ -35,7 +35,11 @@ def _combos() -> list:
         for kind in SUBSET_KINDS:
             for strategy in ("auto", "vmap", "bucketed"):
                 for mode in ("rev", "fwd", "auto"):
-                    out.append(pytest.param(case_id, strategy, mode, kind, id=f"{case_id}-{strategy}-{mode}-{kind}"))
+                    out.append(
+                        pytest.param(
+                            case_id, strategy, mode, kind, id=f"{case_id}-{strategy}-{mode}-{kind}"
+                        )
+                    )
             out.append(pytest.param(case_id, "loop", "auto", kind, id=f"{case_id}-loop-{kind}"))
     return out
 
@@ -74,7 +78,12 @@ def test_chunk_size_does_not_change_results(case_id: str, mode: str, chunk_size:
     case = CASE_BY_ID[case_id]
     subset, ref = zoo_reference(case_id, "elements")
     res = mj.per_sample_jacobian(
-        zoo_model(case_id), case.inputs(), params=subset, output_fn=case.output_fn, mode=mode, chunk_size=chunk_size
+        zoo_model(case_id),
+        case.inputs(),
+        params=subset,
+        output_fn=case.output_fn,
+        mode=mode,
+        chunk_size=chunk_size,
     )
     assert res.chunk_size <= chunk_size
     assert_same(res, ref)
@@ -86,21 +95,31 @@ def test_memory_budget_chunks_and_keeps_results(mode: str) -> None:
     model = zoo_model(case.id)
     subset, ref = zoo_reference(case.id, "names")
     result_bytes = ref.jacobian.numel() * ref.jacobian.element_size()
-    res = mj.per_sample_jacobian(model, case.inputs(), params=subset, mode=mode, memory_budget=result_bytes + 10**9)
+    res = mj.per_sample_jacobian(
+        model, case.inputs(), params=subset, mode=mode, memory_budget=result_bytes + 10**9
+    )
     assert res.inner_chunk_size is None
     assert_same(res, ref)
-    with pytest.raises(ValueError, match=r"memory_budget=\d+ bytes is below the estimated minimum") as info:
-        mj.per_sample_jacobian(model, case.inputs(), params=subset, mode=mode, memory_budget=result_bytes + 10)
+    with pytest.raises(
+        ValueError, match=r"memory_budget=\d+ bytes is below the estimated minimum"
+    ) as info:
+        mj.per_sample_jacobian(
+            model, case.inputs(), params=subset, mode=mode, memory_budget=result_bytes + 10
+        )
     minimum = int(re.search(r"minimum of (\d+) bytes", str(info.value)).group(1))
     assert minimum > result_bytes
     # the stated minimum runs one row/tangent at a time; twice the minimum runs a few at a time
-    res = mj.per_sample_jacobian(model, case.inputs(), params=subset, mode=mode, memory_budget=minimum)
+    res = mj.per_sample_jacobian(
+        model, case.inputs(), params=subset, mode=mode, memory_budget=minimum
+    )
     assert (res.chunk_size, res.inner_chunk_size) == (1, 1)
     assert_same(res, ref)
     # growing budgets: identical results, rows/tangents per step never shrink, some in between
     inner = []
     for factor in (1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 4.0):
-        res = mj.per_sample_jacobian(model, case.inputs(), params=subset, mode=mode, memory_budget=int(minimum * factor))
+        res = mj.per_sample_jacobian(
+            model, case.inputs(), params=subset, mode=mode, memory_budget=int(minimum * factor)
+        )
         assert_same(res, ref)
         inner.append(res.inner_chunk_size or res.num_outputs * res.numel)
     assert inner == sorted(inner)
@@ -124,7 +143,9 @@ def test_packed_batch_input_and_as_dict() -> None:
     res = mj.per_sample_jacobian(model, packed, params=elem)
     assert res.as_dict()["head.2.weight"].shape == (n, o, 3)
     full = mj.per_sample_jacobian(model, packed, params="head.2.weight")
-    torch.testing.assert_close(res.jacobian, full.jacobian.reshape(n, o, -1)[..., [1, 3, 5]], atol=0, rtol=0)
+    torch.testing.assert_close(
+        res.jacobian, full.jacobian.reshape(n, o, -1)[..., [1, 3, 5]], atol=0, rtol=0
+    )
 
 
 def _snapshot(model: nn.Module) -> dict:
@@ -132,7 +153,10 @@ def _snapshot(model: nn.Module) -> dict:
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "params": {n: (id(p), p.requires_grad, p.grad) for n, p in model.named_parameters()},
         "training": {n: m.training for n, m in model.named_modules()},
-        "hooks": {n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for n, m in model.named_modules()},
+        "hooks": {
+            n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+            for n, m in model.named_modules()
+        },
     }
 
 
@@ -151,7 +175,9 @@ def test_model_is_never_changed(mode: str, strategy: str) -> None:
     model = CASE_BY_ID["bn_cnn_multicrop"].build()
     model.features[0].weight.requires_grad_(False)
     before = _snapshot(model)
-    mj.per_sample_jacobian(model, CASE_BY_ID["bn_cnn_multicrop"].inputs(), mode=mode, strategy=strategy)
+    mj.per_sample_jacobian(
+        model, CASE_BY_ID["bn_cnn_multicrop"].inputs(), mode=mode, strategy=strategy
+    )
     _assert_unchanged(before, _snapshot(model))
 
 
@@ -166,7 +192,9 @@ def test_batchnorm_in_train_mode_needs_a_choice() -> None:
         per_sample_jacobian_loop(model, case.inputs(), params="fc.*")
     before = _snapshot(model)
     for strategy in ("auto", "loop"):
-        res = mj.per_sample_jacobian(model, case.inputs(), params="fc.*", batch_norm="eval", strategy=strategy)
+        res = mj.per_sample_jacobian(
+            model, case.inputs(), params="fc.*", batch_norm="eval", strategy=strategy
+        )
         assert_same(res, ref)
     _assert_unchanged(before, _snapshot(model))  # still in train mode, running stats untouched
 
@@ -194,7 +222,9 @@ def test_dropout_in_train_mode_needs_randomness_choice() -> None:
     for randomness in ("different", "same"):
         for mode in ("rev", "fwd"):
             torch.manual_seed(0)
-            res = mj.per_sample_jacobian(model, x, randomness=randomness, mode=mode, params="2.weight")
+            res = mj.per_sample_jacobian(
+                model, x, randomness=randomness, mode=mode, params="2.weight"
+            )
             # d out_k / d W2[k, j] = h_j * mask_j / (1 - p): per sample, one consistent mask for
             # every column, so each output row has the same support pattern
             blocks = res.as_dict()["2.weight"]  # (N, 2, 2, 4)
@@ -260,7 +290,10 @@ def test_seed_thread_recipe_agrees() -> None:
 
     torch.manual_seed(0)
     model = ConvBlock(3, 8).double()
-    feats = [torch.randn(2, 3, 9, 9, dtype=torch.double), torch.randn(2, 3, 8, 8, dtype=torch.double)]
+    feats = [
+        torch.randn(2, 3, 9, 9, dtype=torch.double),
+        torch.randn(2, 3, 8, 8, dtype=torch.double),
+    ]
     params = {n: p.detach() for n, p in model.named_parameters()}
     names = ["conv.0.weight", "conv.2.weight"]
     idx = {"conv.0.weight": torch.tensor([3, 40, 7]), "conv.2.weight": torch.tensor([0, 100])}
@@ -272,7 +305,9 @@ def test_seed_thread_recipe_agrees() -> None:
         return functional_call(model, full, (batch,))
 
     grads = vmap(jacrev(f), in_dims=(None, 0))(tuple(params[n] for n in names), feats)
-    picked = [g.reshape(2, -1, params[n].numel())[..., idx[n].sort().values] for g, n in zip(grads, names)]
+    picked = [
+        g.reshape(2, -1, params[n].numel())[..., idx[n].sort().values] for g, n in zip(grads, names)
+    ]
     expected = torch.cat(picked, dim=-1)
     res = mj.per_sample_jacobian(model, feats, params=mj.ParamSubset.from_indices(model, idx))
     torch.testing.assert_close(res.jacobian, expected, atol=ATOL, rtol=0)
