@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from ._checks import (
 from ._planning import Plan, measure, minimum_bytes, plan_chunks
 from .adapter import PerSampleFunction
 from .enums import BatchNormPolicy, FallbackWarning, Mode, Randomness, Strategy, parse_enum
-from .packing import PackedBatch, pack
+from .packing import Bucket, PackedBatch, pack
 from .reference import loop_jacobian
 from .result import JacobianResult, output_mask_from_sizes
 from .subset import ParamSubset, resolve_subset
@@ -145,11 +146,11 @@ def _jacobian_impl(
 
     record = {"requested_strategy": strategy, "requested_mode": mode, "subset": fn.subset}
     if ran is not Strategy.LOOP:
+        # planning runs plain forward passes: a model that fails here fails in the loop too
+        plan = _plan(fn, packed, mode, chunk_size, memory_budget, randomness)
         try:
             with torch.no_grad():
-                return _vectorised(
-                    fn, packed, ran, mode, chunk_size, memory_budget, randomness, fallback, record
-                )
+                jac = _run(fn, packed, plan, randomness)
         except (RuntimeError, NotImplementedError) as err:
             if randomness is Randomness.ERROR and "randomness" in str(err):
                 raise ValueError(
@@ -162,6 +163,18 @@ def _jacobian_impl(
                 raise RuntimeError(f"strategy {ran.value!r} cannot run this model: {err}") from err
             _warn(reason)
             fallback = reason if fallback is None else f"{fallback}; then {reason}"
+        else:
+            return JacobianResult(
+                jacobian=jac,
+                output_mask=output_mask_from_sizes(plan.sizes, jac.device),
+                output_sizes=plan.sizes,
+                strategy=ran,
+                mode=plan.mode,
+                chunk_size=max(p.samples for p in plan.chunks),
+                inner_chunk_size=_min_or_none(p.inner for p in plan.chunks),
+                fallback=fallback,
+                **record,
+            )
     jac, mask, sizes = loop_jacobian(fn, packed)
     return JacobianResult(
         jacobian=jac,
@@ -174,45 +187,49 @@ def _jacobian_impl(
     )
 
 
-def _vectorised(
+@dataclass(frozen=True)
+class _VectorPlan:
+    """How the vectorised strategies run: one entry per bucket in ``buckets``/``chunks``."""
+
+    mode: Mode
+    buckets: list[Bucket]
+    outputs: list[int]  # O of every bucket
+    chunks: list[Plan]  # samples per call, rows/tangents per step, per bucket
+    spans: list[tuple[int, int]]  # column spans with their own forward pass (fwd)
+    sizes: tuple[int, ...]  # O of every sample
+
+
+def _plan(
     fn: PerSampleFunction,
     packed: PackedBatch,
-    ran: Strategy,
     mode: Mode,
     chunk_size: int | None,
     memory_budget: int | None,
     randomness: Randomness,
-    fallback: str | None,
-    record: dict[str, Any],
-) -> JacobianResult:
-    subset = fn.subset
+) -> _VectorPlan:
+    """Measure one sample per bucket, pick the mode and the chunks (see ``_planning``)."""
     values = fn.values()
+    numel = fn.subset.numel
+    itemsize = values[0].element_size()
     buckets = packed.buckets()
-    firsts = [tuple(lv[0] for lv in packed.stack(b.indices[:1])) for b in buckets]
-    fps = [measure(fn, values, lv) for lv in firsts]
-    n_total = packed.num_samples
-    numel = subset.numel
-    mean_o = sum(fp.outputs * len(b.indices) for fp, b in zip(fps, buckets)) / n_total
-    if mode is Mode.AUTO:
-        mode = Mode.FWD if numel < mean_o else Mode.REV
-    groups = _tangent_groups(subset, mode, randomness)
-
-    sizes_per_sample = [0] * n_total
+    fps = [measure(fn, values, tuple(lv[0] for lv in packed.stack(b.indices[:1]))) for b in buckets]
+    sizes = [0] * packed.num_samples
     for fp, b in zip(fps, buckets):
         for i in b.indices:
-            sizes_per_sample[i] = fp.outputs
-    o_max = max(sizes_per_sample)
-    ref = values[0]
-    jac = ref.new_zeros((n_total, o_max, numel))
+            sizes[i] = fp.outputs
+    if mode is Mode.AUTO:
+        mode = Mode.FWD if numel < sum(sizes) / len(sizes) else Mode.REV
+    spans = _tangent_groups(fn.subset, mode, randomness)
+
     available = None
     if memory_budget is not None:
-        result_bytes = jac.numel() * jac.element_size()
+        result_bytes = packed.num_samples * max(sizes) * numel * itemsize
         need = max(
             minimum_bytes(
                 fp,
                 mode=mode,
                 numel=numel,
-                itemsize=jac.element_size(),
+                itemsize=itemsize,
                 samples=min(chunk_size or 1, len(b.indices)),
             )
             for fp, b in zip(fps, buckets)
@@ -220,57 +237,55 @@ def _vectorised(
         if result_bytes + need > memory_budget:
             unit = "output row" if mode is Mode.REV else "tangent"
             per_call = f"{chunk_size} samples" if chunk_size not in (None, 1) else "one sample"
+            shape = (packed.num_samples, max(sizes), numel)
             raise ValueError(
                 f"memory_budget={memory_budget} bytes is below the estimated minimum of "
-                f"{result_bytes + need} bytes: the result {tuple(jac.shape)} ({jac.dtype}) takes "
+                f"{result_bytes + need} bytes: the result {shape} ({values[0].dtype}) takes "
                 f"{result_bytes} and {per_call} with one {unit} at a time needs {need}"
             )
         available = memory_budget - result_bytes
-    plans: list[Plan] = []
-    for fp, b in zip(fps, buckets):
-        full_inner = fp.outputs if mode is Mode.REV else max(hi - lo for lo, hi in groups)
-        plans.append(
-            plan_chunks(
-                fp,
-                mode=mode,
-                numel=numel,
-                full_inner=full_inner,
-                itemsize=jac.element_size(),
-                bucket_size=len(b.indices),
-                chunk_size=chunk_size,
-                available=available,
-                device=jac.device,
-            )
+    chunks = [
+        plan_chunks(
+            fp,
+            mode=mode,
+            numel=numel,
+            full_inner=fp.outputs if mode is Mode.REV else max(hi - lo for lo, hi in spans),
+            itemsize=itemsize,
+            bucket_size=len(b.indices),
+            chunk_size=chunk_size,
+            available=available,
+            device=values[0].device,
         )
+        for fp, b in zip(fps, buckets)
+    ]
+    return _VectorPlan(mode, buckets, [fp.outputs for fp in fps], chunks, spans, tuple(sizes))
 
-    for b, fp, plan in zip(buckets, fps, plans):
-        for start in range(0, len(b.indices), plan.samples):
-            idx = b.indices[start : start + plan.samples]
+
+def _run(
+    fn: PerSampleFunction, packed: PackedBatch, plan: _VectorPlan, randomness: Randomness
+) -> Tensor:
+    """Fill the ``(N, O, P)`` result bucket by bucket, chunk by chunk."""
+    subset = fn.subset
+    values = fn.values()
+    jac = values[0].new_zeros((packed.num_samples, max(plan.sizes), subset.numel))
+    for b, o, chunk in zip(plan.buckets, plan.outputs, plan.chunks):
+        for start in range(0, len(b.indices), chunk.samples):
+            idx = b.indices[start : start + chunk.samples]
             levels = packed.stack(idx)
-            rows = slice(0, fp.outputs)
-            target = slice(idx[0], idx[-1] + 1) if idx == list(range(idx[0], idx[-1] + 1)) else idx
-            if mode is Mode.REV:
-                blocks = _rev_block(fn, values, levels, plan.inner, randomness)
+            contiguous = idx == list(range(idx[0], idx[-1] + 1))
+            target = slice(idx[0], idx[-1] + 1) if contiguous else idx
+            if plan.mode is Mode.REV:
+                blocks = _rev_block(fn, values, levels, chunk.inner, randomness)
                 for name, blk in zip(subset.names, blocks):
                     lo, hi = subset.offsets[name]
-                    jac[target, rows, lo:hi] = blk.reshape(len(idx), fp.outputs, hi - lo)
+                    jac[target, :o, lo:hi] = blk.reshape(len(idx), o, hi - lo)
             else:
-                for lo, hi in groups:
-                    jac[target, rows, lo:hi] = _fwd_block(
-                        fn, values, levels, (lo, hi), plan.inner, randomness
+                for span in plan.spans:
+                    lo, hi = span
+                    jac[target, :o, lo:hi] = _fwd_block(
+                        fn, values, levels, span, chunk.inner, randomness
                     )
-
-    return JacobianResult(
-        jacobian=jac,
-        output_mask=output_mask_from_sizes(tuple(sizes_per_sample), jac.device),
-        output_sizes=tuple(sizes_per_sample),
-        strategy=ran,
-        mode=mode,
-        chunk_size=max(p.samples for p in plans),
-        inner_chunk_size=_min_or_none(p.inner for p in plans),
-        fallback=fallback,
-        **record,
-    )
+    return jac
 
 
 def _rev_block(

@@ -339,3 +339,9 @@ def test_every_zoo_case_has_outputs_and_subsets() -> None:
         model = zoo_model(case.id)
         for kind in SUBSET_KINDS:
             assert make_subset(model, kind, case).numel > 0
+
+
+def test_a_broken_model_raises_its_own_error_without_fallback() -> None:
+    model = nn.Conv2d(3, 2, 3).double()  # expects 3 channels
+    with pytest.raises(RuntimeError, match="channels"):
+        mj.per_sample_jacobian(model, batched_tensor(2, (2, 5, 5)))  # a FallbackWarning would fail

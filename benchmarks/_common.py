@@ -1,0 +1,414 @@
+"""Shared helpers for the benchmark scripts in ``benchmarks/``.
+
+Only the standard library and torch. Import it from a script in this folder as
+``from _common import ...`` (running ``python benchmarks/<script>.py`` puts this folder first on
+``sys.path``).
+
+* :func:`env_stamp`: versions, machine, threads, device, git commit, date;
+  :func:`load_average` (timings on a shared machine are only as good as its load).
+* :func:`sync`, :func:`timed_call`, :func:`time_method`, :func:`median`: wall-clock timing.
+* :func:`rss_bytes`, :func:`peak_rss_bytes`, :func:`vmhwm_bytes`, :func:`measure_peak_memory`:
+  peak memory of one call, meant to run in a fresh worker process; :func:`run_worker` starts
+  such a process and reads back the one-line JSON it prints. Start workers while the parent is
+  still small: Linux carries the parent's peak RSS into the child's ``ru_maxrss`` at exec.
+* :func:`write_json`: atomic JSON writing (``*.tmp`` then rename).
+* :func:`markdown_table`, :func:`fmt_seconds`, :func:`fmt_bytes`, :func:`fmt_float`: the table.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MEMORY_CAVEAT_CPU",
+    "MEMORY_CAVEAT_CUDA",
+    "REPO_ROOT",
+    "env_stamp",
+    "fmt_bytes",
+    "fmt_float",
+    "fmt_seconds",
+    "git_commit",
+    "load_average",
+    "markdown_table",
+    "measure_peak_memory",
+    "median",
+    "peak_rss_bytes",
+    "rss_bytes",
+    "vmhwm_bytes",
+    "run_worker",
+    "sync",
+    "time_method",
+    "timed_call",
+    "write_json",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+MEMORY_CAVEAT_CPU = (
+    "peak RSS rise over the post-setup baseline: ru_maxrss (the process's lifetime peak "
+    "resident set) after one call, minus the resident set read from /proc/self/statm after "
+    "imports, model and input construction, in a fresh process. It includes allocator caching "
+    "and one-time costs of the first call (kernel/dispatcher set-up), and it under-reports if "
+    "the setup itself peaked above the baseline (ru_maxrss is a high-water mark). Linux folds "
+    "the parent's peak into a child's ru_maxrss at exec, so the workers are started before the "
+    "main process builds anything, and /proc/self/status VmHWM is used instead when ru_maxrss "
+    "still exceeds it (ru_maxrss_inherited)."
+)
+MEMORY_CAVEAT_CUDA = (
+    "torch.cuda.max_memory_allocated() after one call minus memory_allocated() before it "
+    "(peak stats reset first, synchronised), in a fresh process; caching-allocator blocks "
+    "reserved but not allocated are not counted."
+)
+
+
+# ---------------------------------------------------------------------- environment
+def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
+    """``{"commit": hash or None, "dirty": bool or None}`` without taking git's index lock."""
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", "--no-optional-locks", *args],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip()
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit or None, "dirty": None if status is None else bool(status)}
+
+
+def env_stamp(device: str | torch.device) -> dict[str, Any]:
+    """What produced the numbers: versions, machine, threads, device, git commit, date (UTC)."""
+    device = torch.device(device)
+    try:
+        import numpy
+
+        numpy_version: str | None = numpy.__version__
+    except ImportError:  # pragma: no cover - numpy is a dependency of the package
+        numpy_version = None
+    try:
+        affinity: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    cuda_name = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        cuda_name = torch.cuda.get_device_name(device)
+    git = git_commit()
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "torch": torch.__version__,
+        "numpy": numpy_version,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "device": str(device),
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_device_name": cuda_name,
+        "cuda_version": torch.version.cuda,
+        "load_average_at_start": load_average(),
+        "git_commit": git["commit"],
+        "git_dirty": git["dirty"],
+        "argv": sys.argv,
+    }
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (``None`` where unavailable)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+# ---------------------------------------------------------------------- timing
+def sync(device: str | torch.device) -> None:
+    """Wait for queued device work (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def timed_call(fn: Callable[[], Any], device: str | torch.device) -> tuple[float, Any]:
+    """``(seconds, fn())`` with the device synchronised before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+def time_method(
+    fn: Callable[[], Any],
+    device: str | torch.device,
+    *,
+    warm: bool,
+    repeats: int,
+    warm_limit_s: float,
+    repeat_budget_s: float,
+    keep: Callable[[Any], Any] | None = None,
+) -> dict[str, Any]:
+    """Time ``fn``: one cold run, then, when cheap, warm repeats.
+
+    The cold (first) run doubles as the warm-up. Warm repeats run only when ``warm`` is true and
+    the cold run took less than ``warm_limit_s``; at most ``repeats`` of them and no more once
+    they have used ``repeat_budget_s`` (at least one). The reported ``seconds`` is the median of
+    the warm runs, else the cold time.
+
+    Args:
+        keep: Called on the cold run's output; its return value is handed back as ``"kept"``
+            (e.g. the Jacobian for a correctness check). Later outputs are dropped at once.
+
+    Returns:
+        ``{"seconds", "cold_seconds", "warm_runs", "warm_seconds", "timing", "kept"}``.
+    """
+    cold, out = timed_call(fn, device)
+    kept = keep(out) if keep is not None else None
+    del out
+    gc.collect()
+    warm_times: list[float] = []
+    if warm and repeats > 0 and cold < warm_limit_s:
+        spent = 0.0
+        while len(warm_times) < repeats and (not warm_times or spent < repeat_budget_s):
+            t, out = timed_call(fn, device)
+            del out
+            warm_times.append(t)
+            spent += t
+    if warm_times:
+        seconds = median(warm_times)
+        how = f"median of {len(warm_times)} warm runs after a cold run ({cold:.3g} s)"
+    else:
+        seconds = cold
+        why = "by design" if not warm else f"cold run >= {warm_limit_s:g} s"
+        how = f"single cold run, no warm-up ({why})"
+    return {
+        "seconds": seconds,
+        "cold_seconds": cold,
+        "warm_runs": len(warm_times),
+        "warm_seconds": warm_times,
+        "timing": how,
+        "kept": kept,
+    }
+
+
+# ---------------------------------------------------------------------- memory
+def rss_bytes() -> int | None:
+    """Current resident set size from ``/proc/self/statm`` (``None`` where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """The process's lifetime peak resident set size in bytes (``ru_maxrss``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # KiB on Linux
+
+
+def vmhwm_bytes() -> int | None:
+    """This address space's peak resident set (``VmHWM`` of ``/proc/self/status``), or ``None``.
+
+    Unlike ``ru_maxrss`` it is not inherited: Linux folds the parent's peak into the child's
+    ``ru_maxrss`` at ``execve`` (after ``fork``/``vfork``), so a worker started by a large parent
+    reports the parent's peak until it exceeds it.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def measure_peak_memory(fn: Callable[[], Any], device: str | torch.device) -> dict[str, Any]:
+    """Peak memory of one call of ``fn``; call it once, in a fresh process, after setup.
+
+    CPU: peak RSS rise over the post-setup baseline (see :data:`MEMORY_CAVEAT_CPU`):
+    ``ru_maxrss * 1024`` after the call minus the ``/proc/self/statm`` resident set before it.
+    If ``ru_maxrss`` still holds a peak inherited from the parent process (it exceeds this
+    process's own ``VmHWM``), the ``VmHWM`` rise is reported instead and
+    ``ru_maxrss_inherited`` is set. CUDA: peak allocated device memory over the pre-call
+    allocation (:data:`MEMORY_CAVEAT_CUDA`), plus the host figures.
+    """
+    device = torch.device(device)
+    gc.collect()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        cuda_base = torch.cuda.memory_allocated(device)
+    base = rss_bytes()
+    base_kind = "statm"
+    if base is None:  # no /proc: fall back to the peak so far (the rise is then a lower bound)
+        base, base_kind = peak_rss_bytes(), "ru_maxrss"
+    ru_before, hwm_before = peak_rss_bytes(), vmhwm_bytes()
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    seconds = time.perf_counter() - t0
+    ru_after, hwm_after = peak_rss_bytes(), vmhwm_bytes()
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    inherited = hwm_after is not None and ru_after > hwm_after + page
+    rec: dict[str, Any] = {
+        "peak_rss_rise_bytes": int(max(ru_after - base, 0)),
+        "vmhwm_rise_bytes": None if hwm_after is None else int(max(hwm_after - base, 0)),
+        "rss_baseline_bytes": int(base),
+        "rss_baseline_source": base_kind,
+        "ru_maxrss_before_bytes": ru_before,
+        "ru_maxrss_after_bytes": ru_after,
+        "vmhwm_before_bytes": hwm_before,
+        "vmhwm_after_bytes": hwm_after,
+        "ru_maxrss_inherited": inherited,
+        "seconds_in_worker": seconds,
+    }
+    cpu_peak = rec["vmhwm_rise_bytes"] if inherited else rec["peak_rss_rise_bytes"]
+    if cuda:
+        rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device) - cuda_base)
+        rec["cuda_device_name"] = torch.cuda.get_device_name(device)
+        rec["peak_memory_bytes"] = rec["cuda_peak_bytes"]
+        rec["memory_kind"] = "cuda_max_memory_allocated_rise"
+    else:
+        rec["peak_memory_bytes"] = cpu_peak
+        rec["memory_kind"] = "cpu_vmhwm_rise" if inherited else "cpu_peak_rss_rise"
+    del out
+    return rec
+
+
+def run_worker(args: Sequence[str], *, timeout_s: float) -> dict[str, Any]:
+    """Run ``sys.executable *args`` in a fresh process; parse the last stdout line as JSON.
+
+    Returns the parsed dict, or ``{"error": ...}`` when the worker fails or times out.
+    """
+    cmd = [sys.executable, *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"worker timed out after {timeout_s:g} s: {' '.join(cmd)}"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"error": f"worker exited with {proc.returncode}: {' | '.join(tail)}"}
+    try:
+        rec = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return {"error": f"worker printed no JSON: {lines[-1][:200]!r}"}
+    if not isinstance(rec, dict):
+        return {"error": f"worker printed {type(rec).__name__}, not a JSON object"}
+    return rec
+
+
+# ---------------------------------------------------------------------- output
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else str(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (torch.dtype, torch.device, Path)):
+        return str(x)
+    return x
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write ``data`` as indented JSON atomically (``path.tmp``, then rename); returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(data), f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A markdown table; numbers right-aligned, everything else left-aligned."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    right = [
+        bool(rows) and all(_is_number(r[i]) for r in rows if r[i] not in (None, "", "-"))
+        for i in range(len(headers))
+    ]
+
+    def line(r: Sequence[str]) -> str:
+        parts = [
+            c.rjust(w) if ra else c.ljust(w) for c, w, ra in zip(r, widths, right, strict=True)
+        ]
+        return "| " + " | ".join(parts) + " |"
+
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if ra else ("-" * (w + 2))
+            for w, ra in zip(widths, right, strict=True)
+        )
+        + "|"
+    )
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, (int, float)):
+        return True
+    try:
+        float(str(x).rstrip("x").replace(",", ""))
+    except ValueError:
+        return False
+    return True
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 100:
+        return f"{s:.0f}"
+    if s >= 10:
+        return f"{s:.1f}"
+    if s >= 0.1:
+        return f"{s:.2f}"
+    return f"{s:.3g}"
+
+
+def fmt_bytes(b: int | None) -> str:
+    """Bytes as MiB with one decimal (``-`` for None)."""
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def fmt_float(x: float | None, spec: str = ".2e") -> str:
+    return "-" if x is None else format(x, spec)
