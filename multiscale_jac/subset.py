@@ -46,13 +46,16 @@ class ParamSubset:
         """
         self._layout = tuple((n, torch.Size(s)) for n, s in layout)
         known = dict(self._layout)
-        self._selection: dict[str, Tensor | None] = {}
-        for name, _ in self._layout:
-            if name in selection:
-                self._selection[name] = selection[name]
         for name in selection:
             if name not in known:
                 raise ValueError(f"unknown parameter name {name!r}")
+        self._selection: dict[str, Tensor | None] = {}
+        for name, shape in self._layout:
+            if name in selection:
+                idx = selection[name]
+                if idx is not None:
+                    idx = _check_indices(idx, math.prod(shape), f"indices for {name!r}")
+                self._selection[name] = idx
         if not self._selection:
             raise ValueError("a ParamSubset must select at least one parameter entry")
         self._shapes = {n: known[n] for n in self._selection}
@@ -71,6 +74,8 @@ class ParamSubset:
     ) -> ParamSubset:
         """Every parameter tensor of ``model`` (only those with ``requires_grad`` if asked)."""
         params = _named_params(model)[0]
+        if not isinstance(trainable_only, bool):
+            raise TypeError(f"trainable_only must be True or False; got {trainable_only!r}")
         if trainable_only:
             names = [n for n, p in params.items() if p.requires_grad]
         else:
@@ -128,21 +133,11 @@ class ParamSubset:
             ValueError: unknown names, empty, duplicate or out-of-range indices.
             TypeError: non-integer indices.
         """
-        params, aliases = _named_params(model)
-        if not isinstance(indices, Mapping):
-            raise TypeError(
-                f"from_indices expects a dict {{name: indices}}; got {type(indices).__name__}"
-            )
-        if not indices:
-            raise ValueError("from_indices got an empty dict")
-        sel: dict[str, Tensor | None] = {}
-        for name, idx in indices.items():
-            if name not in params and name not in aliases:
-                raise ValueError(_unknown_name(name, params))
-            canon = aliases.get(name, name)
-            if canon in sel:
-                raise ValueError(f"parameter {name!r} is given twice (it is tied to {canon!r})")
-            sel[canon] = _check_indices(idx, params[canon].numel(), f"indices for {name!r}")
+        params, entries = _per_tensor(model, indices, "from_indices", "indices")
+        sel = {
+            canon: _check_indices(idx, params[canon].numel(), f"indices for {name!r}")
+            for name, canon, idx in entries
+        }
         return cls(_layout_of(params), sel)
 
     @classmethod
@@ -177,14 +172,9 @@ class ParamSubset:
             ValueError: unknown names, wrong mask shapes, masks selecting nothing.
             TypeError: non-boolean masks.
         """
-        params, aliases = _named_params(model)
-        if not isinstance(masks, Mapping) or not masks:
-            raise ValueError("from_mask expects a non-empty dict {name: bool tensor}")
+        params, entries = _per_tensor(model, masks, "from_mask", "bool tensor")
         sel: dict[str, Tensor | None] = {}
-        for name, mask in masks.items():
-            if name not in params and name not in aliases:
-                raise ValueError(_unknown_name(name, params))
-            canon = aliases.get(name, name)
+        for name, canon, mask in entries:
             p = params[canon]
             if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
                 what = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
@@ -394,6 +384,27 @@ def _named_params(
                 raise TypeError("a parameter mapping must map names (str) to tensors")
         return dict(model), {}
     raise TypeError(f"expected an nn.Module or a dict of named tensors; got {type(model).__name__}")
+
+
+def _per_tensor(
+    model: nn.Module | Mapping[str, Tensor], mapping: Any, method: str, what: str
+) -> tuple[dict[str, Tensor], list[tuple[str, str, Any]]]:
+    """Validate a ``{name: value}`` argument: ``(params, [(name, canonical name, value)])``."""
+    params, aliases = _named_params(model)
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{method} expects a dict {{name: {what}}}; got {type(mapping).__name__}")
+    if not mapping:
+        raise ValueError(f"{method} got an empty dict")
+    entries, seen = [], {}
+    for name, value in mapping.items():
+        if name not in params and name not in aliases:
+            raise ValueError(_unknown_name(name, params))
+        canon = aliases.get(name, name)
+        if canon in seen:
+            raise ValueError(f"parameters {seen[canon]!r} and {name!r} are the same (tied) tensor")
+        seen[canon] = name
+        entries.append((name, canon, value))
+    return params, entries
 
 
 def _layout_of(params: Mapping[str, Tensor]) -> list[tuple[str, torch.Size]]:

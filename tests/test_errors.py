@@ -38,6 +38,12 @@ def _int_param_model() -> nn.Module:
     return m
 
 
+def _tied() -> nn.Module:
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    m[1].weight = m[0].weight
+    return m
+
+
 # (id, callable, exception type, regex that must match the message)
 CASES = [
     # pack
@@ -174,6 +180,18 @@ CASES = [
         lambda: mj.ParamSubset.from_indices(_conv(), {"1.weight": [0]}),
         ValueError,
         "unknown parameter name '1.weight'",
+    ),
+    (
+        "tied_tensor_given_twice",
+        lambda: mj.ParamSubset.from_indices(_tied(), {"0.weight": [0], "1.weight": [1]}),
+        ValueError,
+        r"parameters '0.weight' and '1.weight' are the same \(tied\) tensor",
+    ),
+    (
+        "indices_not_a_dict",
+        lambda: mj.ParamSubset.from_indices(_conv(), [1, 2]),
+        TypeError,
+        r"from_indices expects a dict \{name: indices\}; got list",
     ),
     (
         "flat_index_out_of_range",
