@@ -59,7 +59,13 @@ from _common import (
 )
 from torch import nn
 
-from multiscale_jac import JacobianResult, ParamSubset, pack, per_sample_jacobian
+from multiscale_jac import (
+    FallbackWarning,
+    JacobianResult,
+    ParamSubset,
+    pack,
+    per_sample_jacobian,
+)
 from multiscale_jac.models import ConvBlock, TinyFPN
 from multiscale_jac.reference import per_sample_jacobian_loop
 
@@ -297,7 +303,7 @@ def bench_workload(
         train_times.append(train["seconds"])
         _log(f"[{name}] {method}: training step {train['seconds']:.3f} s; running ...")
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+            warnings.simplefilter("always", FallbackWarning)
             t = time_method(
                 lambda m=method: run_method(wl, m),
                 device,
@@ -314,7 +320,9 @@ def bench_workload(
             "train_step_runs": train["runs"],
             "ratio_to_train_step": t["seconds"] / train["seconds"],
             **engine_record(res),
-            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+            "fallback_warnings": sorted(
+                {str(w.message) for w in caught if issubclass(w.category, FallbackWarning)}
+            ),
             "load_average_before": load,
         }
         if method == "loop":
@@ -349,7 +357,7 @@ def measure_memory(
 ) -> dict[str, dict[str, Any]]:
     """Peak memory of every method, each from a fresh worker process (run once there)."""
     out = {}
-    for method in args.methods:
+    for method in sorted(args.methods, key=METHODS.index):
         _log(f"[{name}] {method}: peak memory in a fresh process ...")
         mem = run_worker(worker_argv(name, method, args, device), timeout_s=args.worker_timeout)
         if "error" in mem:
@@ -373,7 +381,9 @@ def print_table(results: dict[str, Any]) -> None:
         f"torch {env['torch']}, python {env['python']}, {env['device']}"
         f"{' (' + env['cuda_device_name'] + ')' if env['cuda_device_name'] else ''}, "
         f"{env['torch_threads']} threads, {env['cpu_count']} CPUs, "
-        f"commit {(env['git_commit'] or '?')[:10]}, {env['date_utc']}"
+        f"commit {(env['git_commit'] or '?')[:10]}{' (dirty)' if env['git_dirty'] else ''}, "
+        f"{env['date_utc']}; load average {env['load_average_at_start']} at start, "
+        f"{env.get('load_average_at_end')} at end"
     )
     mem_unit = "peak CUDA MiB" if env["device"].startswith("cuda") else "peak RSS rise MiB"
     for name, wl in results["workloads"].items():
@@ -390,17 +400,24 @@ def print_table(results: dict[str, Any]) -> None:
                 ran += f"/inner={m['inner_chunk_size']}"
             if m.get("fallback"):
                 ran += " (fallback)"
+            mem = fmt_bytes(m.get("peak_memory_bytes"))
+            if (m.get("memory") or {}).get("ru_maxrss_inherited"):
+                mem += "*"
+            elif m.get("memory") and "error" in m["memory"]:
+                mem = "error"
+            load = m.get("load_average_before")
             rows.append(
                 [
                     method,
-                    f"{m['ratio_to_train_step']:.1f}x",
+                    fmt_ratio(m["ratio_to_train_step"]),
                     fmt_seconds(m["seconds"]),
                     fmt_seconds(m["cold_seconds"]),
                     m["warm_runs"],
                     fmt_seconds(m["train_step_seconds"]),
-                    fmt_bytes(m.get("peak_memory_bytes")),
+                    mem,
                     fmt_float(m.get("max_abs_diff_vs_loop")),
                     ran,
+                    "-" if load is None else f"{load[0]:.1f}",
                 ]
             )
         print(
@@ -415,15 +432,26 @@ def print_table(results: dict[str, Any]) -> None:
                     mem_unit,
                     "max |diff| vs loop",
                     "ran (strategy/mode/chunk)",
+                    "load",
                 ],
                 rows,
             )
         )
     print(
-        "\nseconds: median of the warm runs when the cold run was cheap, else the single cold run"
-        " (loop: always one cold run). x train step: seconds / one ordinary training step timed"
-        " in the same process just before the method."
+        "\nseconds: median of the warm runs when the cold run was cheap, else the single cold "
+        "run (loop: always one cold run); cold s: the first run. x train step: seconds / one "
+        "ordinary training step (median) timed in the same process just before the method. "
+        "memory: peak RSS rise over the post-setup baseline of a fresh process running the "
+        "method once (* = VmHWM, as ru_maxrss was inherited); CUDA: max_memory_allocated rise. "
+        "max |diff|: over real output rows (padded rows checked to be 0). load: 1-min load "
+        "average before the method."
     )
+
+
+def fmt_ratio(r: float) -> str:
+    if r >= 100:
+        return f"{r:.0f}x"
+    return f"{r:.1f}x" if r >= 10 else f"{r:.2f}x"
 
 
 def main_process(args: argparse.Namespace) -> int:

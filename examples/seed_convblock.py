@@ -38,7 +38,12 @@ samples = [
     [torch.randn(8, 12, 20), torch.randn(8, 9, 11)],
     [torch.randn(8, 16, 16), torch.randn(8, 10, 10)],
 ]
-reduce = lambda y: y.sum(dim=1)  # (1, rows, 8) -> (1, 8)
+
+
+def reduce(y: torch.Tensor) -> torch.Tensor:
+    return y.sum(dim=1)  # (1, rows, 8) -> (1, 8)
+
+
 res = mj.per_sample_jacobian(model, samples, params=subset, output_fn=reduce)
 ref = mj.reference.per_sample_jacobian_loop(model, samples, params=subset, output_fn=reduce)
 print(f"{res}, buckets: {[b.indices for b in mj.pack(samples).buckets()]}")
