@@ -22,9 +22,18 @@ import torch
 from torch import Tensor
 
 from .adapter import PerSampleFunction
-from .enums import Mode
+from .enums import Mode, Strategy
+from .packing import PackedBatch
 
-__all__ = ["Footprint", "Plan", "measure", "minimum_bytes", "per_sample_bytes", "plan_chunks"]
+__all__ = [
+    "Footprint",
+    "Plan",
+    "choose_strategy",
+    "measure",
+    "minimum_bytes",
+    "per_sample_bytes",
+    "plan_chunks",
+]
 
 #: Working-set target per vectorised call when neither ``chunk_size`` nor ``memory_budget`` is
 #: given: small on CPU (cache-friendly; measured fastest on the seed workload), larger on GPUs.
@@ -129,3 +138,8 @@ def plan_chunks(
 def minimum_bytes(fp: Footprint, *, mode: Mode, numel: int, itemsize: int, samples: int) -> int:
     """Working memory of ``samples`` samples with one output row (rev) or tangent (fwd) each."""
     return samples * per_sample_bytes(fp, mode, numel, itemsize, 1)
+
+
+def choose_strategy(packed: PackedBatch) -> Strategy:
+    """``auto`` for a batch with several shape signatures: ``bucketed`` or ``padded``."""
+    return Strategy.BUCKETED

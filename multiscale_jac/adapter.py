@@ -14,6 +14,7 @@ The model itself is never changed: parameters are substituted with
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -111,22 +112,35 @@ class PerSampleFunction:
                 params[name] = base.reshape(-1).index_put((idx,), v).view(base.shape)
         return params
 
-    def call(self, params: Mapping[str, Tensor], levels: tuple[Tensor, ...]) -> Tensor:
-        """Run the model on one sample with ``params``; returns the flat output ``(O,)``."""
-        if self.kind is InputKind.TENSOR:
-            arg: Any = levels[0].unsqueeze(0)
-        else:
-            arg = [lvl.unsqueeze(0) for lvl in levels]
-        if self.eval_batch_norm:
-            params = dict(params)
-            params.update((n, b.clone()) for n, b in self._bn_counters.items())
-            with _EvalBatchNormMode():
-                out = functional_call(self.model, params, (arg,))
-        else:
-            out = functional_call(self.model, dict(params), (arg,))
-        if self.output_fn is not None:
-            out = self.output_fn(out)
-        return flatten_output(out)
+    def call(
+        self,
+        params: Mapping[str, Tensor],
+        levels: tuple[Tensor, ...],
+        *,
+        around: Callable[[contextlib.ExitStack, list[Tensor]], None] | None = None,
+    ) -> Tensor:
+        """Run the model on one sample with ``params``; returns the flat output ``(O,)``.
+
+        Args:
+            params: All parameters by name (see :meth:`full_params`).
+            levels: The sample's levels ``(C_l, *spatial_l)``.
+            around: Called with an ``ExitStack`` and the batch-of-one levels before the model
+                runs; whatever it enters stays active through ``output_fn`` and the flattening
+                (masked execution uses this to track the levels).
+        """
+        batched = [lvl.unsqueeze(0) for lvl in levels]
+        arg: Any = batched[0] if self.kind is InputKind.TENSOR else batched
+        params = dict(params)
+        with contextlib.ExitStack() as stack:
+            if around is not None:
+                around(stack, batched)
+            if self.eval_batch_norm:
+                params.update((n, b.clone()) for n, b in self._bn_counters.items())
+                stack.enter_context(_EvalBatchNormMode())
+            out = functional_call(self.model, params, (arg,))
+            if self.output_fn is not None:
+                out = self.output_fn(out)
+            return flatten_output(out)
 
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
         return self.call(self.full_params(values), levels)

@@ -39,10 +39,11 @@ from ._checks import (
     check_output_fn,
     check_train_mode_layers,
 )
-from ._planning import Plan, measure, minimum_bytes, plan_chunks
+from ._planning import Footprint, Plan, choose_strategy, measure, minimum_bytes, plan_chunks
 from .adapter import PerSampleFunction
 from .enums import BatchNormPolicy, FallbackWarning, Mode, Randomness, Strategy, parse_enum
-from .packing import Bucket, PackedBatch, pack
+from .masked import PaddedFunction, UnsupportedOpError
+from .packing import PackedBatch, pack
 from .reference import loop_jacobian
 from .result import JacobianResult, output_mask_from_sizes
 from .subset import ParamSubset, resolve_subset
@@ -131,26 +132,46 @@ def _jacobian_impl(
     randomness: Randomness,
     strict: bool,
 ) -> JacobianResult:
-    buckets = packed.buckets()
-    fallback: str | None = None
+    record = {"requested_strategy": strategy, "requested_mode": mode, "subset": fn.subset}
+    fallbacks: list[str] = []
+
+    def fall_back(why: str, to: Strategy, err: Exception | None = None) -> Strategy:
+        if strict:
+            if isinstance(err, UnsupportedOpError):
+                raise err
+            if err is not None:
+                raise RuntimeError(
+                    f"{why}; strict=True forbids running {to.value!r} instead"
+                ) from err
+            raise ValueError(f"{why}; strict=True forbids running {to.value!r} instead")
+        msg = f"{why}; ran {to.value!r}"
+        _warn(msg)
+        fallbacks.append(msg)
+        return to
+
+    num_buckets = len(packed.buckets())
     ran = strategy
     if strategy is Strategy.AUTO:
-        ran = Strategy.VMAP if len(buckets) == 1 else Strategy.BUCKETED
-    elif strategy is Strategy.VMAP and len(buckets) > 1:
-        why = f"strategy='vmap' needs one shape signature but the batch has {len(buckets)}"
-        if strict:
-            raise ValueError(f"{why}; use strategy='auto' or 'bucketed'")
-        fallback = f"{why}; ran 'bucketed'"
-        _warn(fallback)
-        ran = Strategy.BUCKETED
+        ran = Strategy.VMAP if num_buckets == 1 else choose_strategy(packed)
+    elif strategy is Strategy.VMAP and num_buckets > 1:
+        ran = fall_back(
+            f"strategy='vmap' needs one shape signature but the batch has {num_buckets}",
+            Strategy.BUCKETED,
+        )
 
-    record = {"requested_strategy": strategy, "requested_mode": mode, "subset": fn.subset}
-    if ran is not Strategy.LOOP:
-        # planning runs plain forward passes: a model that fails here fails in the loop too
-        plan = _plan(fn, packed, mode, chunk_size, memory_budget, randomness)
+    while ran is not Strategy.LOOP:
+        # planning runs plain forward passes: a model that fails there fails in the loop too,
+        # except for ops the padded strategy has no rule for
+        try:
+            plan = _plan(fn, packed, ran, mode, chunk_size, memory_budget, randomness)
+        except UnsupportedOpError as err:
+            ran = fall_back(
+                f"strategy 'padded' cannot run this model ({err})", Strategy.BUCKETED, err
+            )
+            continue
         try:
             with torch.no_grad():
-                jac = _run(fn, packed, plan, randomness)
+                jac = _run(plan, fn.subset, fn.values(), randomness)
         except (RuntimeError, NotImplementedError) as err:
             if randomness is Randomness.ERROR and "randomness" in str(err):
                 raise ValueError(
@@ -158,23 +179,23 @@ def _jacobian_impl(
                     "while randomness='error'; put the model in eval mode or pass "
                     "randomness='different' or 'same'"
                 ) from err
-            reason = f"strategy {ran.value!r} failed ({type(err).__name__}: {_first_line(err)}); ran 'loop'"
-            if strict:
-                raise RuntimeError(f"strategy {ran.value!r} cannot run this model: {err}") from err
-            _warn(reason)
-            fallback = reason if fallback is None else f"{fallback}; then {reason}"
-        else:
-            return JacobianResult(
-                jacobian=jac,
-                output_mask=output_mask_from_sizes(plan.sizes, jac.device),
-                output_sizes=plan.sizes,
-                strategy=ran,
-                mode=plan.mode,
-                chunk_size=max(p.samples for p in plan.chunks),
-                inner_chunk_size=_min_or_none(p.inner for p in plan.chunks),
-                fallback=fallback,
-                **record,
+            ran = fall_back(
+                f"strategy {ran.value!r} failed ({type(err).__name__}: {_first_line(err)})",
+                Strategy.LOOP,
+                err,
             )
+            continue
+        return JacobianResult(
+            jacobian=jac,
+            output_mask=output_mask_from_sizes(plan.sizes, jac.device),
+            output_sizes=plan.sizes,
+            strategy=ran,
+            mode=plan.mode,
+            chunk_size=max(g.chunks.samples for g in plan.groups),
+            inner_chunk_size=_min_or_none(g.chunks.inner for g in plan.groups),
+            fallback="; then ".join(fallbacks) or None,
+            **record,
+        )
     jac, mask, sizes = loop_jacobian(fn, packed)
     return JacobianResult(
         jacobian=jac,
@@ -182,114 +203,176 @@ def _jacobian_impl(
         output_sizes=sizes,
         strategy=Strategy.LOOP,
         mode=Mode.REV,
-        fallback=fallback,
+        fallback="; then ".join(fallbacks) or None,
         **record,
     )
 
 
 @dataclass(frozen=True)
-class _VectorPlan:
-    """How the vectorised strategies run: one entry per bucket in ``buckets``/``chunks``."""
+class _Group:
+    """Samples that run through one vectorised function (a bucket, or the whole padded batch).
 
+    ``levels(idx)`` gives the vmapped level tensors of samples ``idx``; ``table`` (padded only)
+    ``(N, O_pad)`` marks the real output rows of every sample, which are compacted to the top.
+    """
+
+    indices: list[int]
+    fn: Callable[..., Tensor]
+    levels: Callable[[list[int]], list[Tensor]]
+    outputs: int
+    chunks: Plan
+    table: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _VectorPlan:
     mode: Mode
-    buckets: list[Bucket]
-    outputs: list[int]  # O of every bucket
-    chunks: list[Plan]  # samples per call, rows/tangents per step, per bucket
+    groups: list[_Group]
     spans: list[tuple[int, int]]  # column spans with their own forward pass (fwd)
     sizes: tuple[int, ...]  # O of every sample
+    num_samples: int
 
 
 def _plan(
     fn: PerSampleFunction,
     packed: PackedBatch,
+    strategy: Strategy,
     mode: Mode,
     chunk_size: int | None,
     memory_budget: int | None,
     randomness: Randomness,
 ) -> _VectorPlan:
-    """Measure one sample per bucket, pick the mode and the chunks (see ``_planning``)."""
+    """Measure one sample per group, pick the mode and the chunks (see ``_planning``)."""
     values = fn.values()
     numel = fn.subset.numel
     itemsize = values[0].element_size()
-    buckets = packed.buckets()
-    fps = [measure(fn, values, tuple(lv[0] for lv in packed.stack(b.indices[:1]))) for b in buckets]
-    sizes = [0] * packed.num_samples
-    for fp, b in zip(fps, buckets):
-        for i in b.indices:
-            sizes[i] = fp.outputs
+    n = packed.num_samples
+    sizes = [0] * n
+    raw: list[
+        tuple[
+            list[int],
+            Callable[..., Tensor],
+            Callable[[list[int]], list[Tensor]],
+            Footprint,
+            Tensor | None,
+        ]
+    ] = []
+    if strategy is Strategy.PADDED:
+        pfn = PaddedFunction(fn, packed)
+        device = packed.device
+        fp = measure(pfn, values, (*(t[0] for t in packed.levels), torch.tensor(0, device=device)))
+        table = pfn.output_table
+        for i, o in enumerate(table.sum(dim=1).tolist()):
+            sizes[i] = int(o)
+
+        def padded_levels(idx: list[int]) -> list[Tensor]:
+            it = torch.tensor(idx, device=device)
+            return [t.index_select(0, it) for t in packed.levels] + [it]
+
+        raw.append((list(range(n)), pfn, padded_levels, fp, table))
+    else:
+        for b in packed.buckets():
+            fp = measure(fn, values, tuple(lv[0] for lv in packed.stack(b.indices[:1])))
+            for i in b.indices:
+                sizes[i] = fp.outputs
+            raw.append((b.indices, fn, packed.stack, fp, None))
     if mode is Mode.AUTO:
-        mode = Mode.FWD if numel < sum(sizes) / len(sizes) else Mode.REV
+        mode = Mode.FWD if numel < sum(sizes) / n else Mode.REV
     spans = _tangent_groups(fn.subset, mode, randomness)
 
     available = None
     if memory_budget is not None:
-        result_bytes = packed.num_samples * max(sizes) * numel * itemsize
+        result_bytes = n * max(sizes) * numel * itemsize
         need = max(
             minimum_bytes(
                 fp,
                 mode=mode,
                 numel=numel,
                 itemsize=itemsize,
-                samples=min(chunk_size or 1, len(b.indices)),
+                samples=min(chunk_size or 1, len(idx)),
             )
-            for fp, b in zip(fps, buckets)
+            for idx, _, _, fp, _ in raw
         )
         if result_bytes + need > memory_budget:
             unit = "output row" if mode is Mode.REV else "tangent"
             per_call = f"{chunk_size} samples" if chunk_size not in (None, 1) else "one sample"
-            shape = (packed.num_samples, max(sizes), numel)
             raise ValueError(
                 f"memory_budget={memory_budget} bytes is below the estimated minimum of "
-                f"{result_bytes + need} bytes: the result {shape} ({values[0].dtype}) takes "
-                f"{result_bytes} and {per_call} with one {unit} at a time needs {need}"
+                f"{result_bytes + need} bytes: the result {(n, max(sizes), numel)} ({values[0].dtype}) "
+                f"takes {result_bytes} and {per_call} with one {unit} at a time needs {need}"
             )
         available = memory_budget - result_bytes
-    chunks = [
-        plan_chunks(
-            fp,
-            mode=mode,
-            numel=numel,
-            full_inner=fp.outputs if mode is Mode.REV else max(hi - lo for lo, hi in spans),
-            itemsize=itemsize,
-            bucket_size=len(b.indices),
-            chunk_size=chunk_size,
-            available=available,
-            device=values[0].device,
+    groups = [
+        _Group(
+            indices=idx,
+            fn=gfn,
+            levels=levels,
+            outputs=fp.outputs,
+            table=table,
+            chunks=plan_chunks(
+                fp,
+                mode=mode,
+                numel=numel,
+                full_inner=fp.outputs if mode is Mode.REV else max(hi - lo for lo, hi in spans),
+                itemsize=itemsize,
+                bucket_size=len(idx),
+                chunk_size=chunk_size,
+                available=available,
+                device=values[0].device,
+            ),
         )
-        for fp, b in zip(fps, buckets)
+        for idx, gfn, levels, fp, table in raw
     ]
-    return _VectorPlan(mode, buckets, [fp.outputs for fp in fps], chunks, spans, tuple(sizes))
+    return _VectorPlan(mode, groups, spans, tuple(sizes), n)
 
 
 def _run(
-    fn: PerSampleFunction, packed: PackedBatch, plan: _VectorPlan, randomness: Randomness
+    plan: _VectorPlan, subset: ParamSubset, values: tuple[Tensor, ...], randomness: Randomness
 ) -> Tensor:
-    """Fill the ``(N, O, P)`` result bucket by bucket, chunk by chunk."""
-    subset = fn.subset
-    values = fn.values()
-    jac = values[0].new_zeros((packed.num_samples, max(plan.sizes), subset.numel))
-    for b, o, chunk in zip(plan.buckets, plan.outputs, plan.chunks):
-        for start in range(0, len(b.indices), chunk.samples):
-            idx = b.indices[start : start + chunk.samples]
-            levels = packed.stack(idx)
-            contiguous = idx == list(range(idx[0], idx[-1] + 1))
-            target = slice(idx[0], idx[-1] + 1) if contiguous else idx
+    """Fill the ``(N, O, P)`` result group by group, chunk by chunk."""
+    jac = values[0].new_zeros((plan.num_samples, max(plan.sizes), subset.numel))
+    for g in plan.groups:
+        o = g.outputs
+        for start in range(0, len(g.indices), g.chunks.samples):
+            idx = g.indices[start : start + g.chunks.samples]
+            levels = g.levels(idx)
             if plan.mode is Mode.REV:
-                blocks = _rev_block(fn, values, levels, chunk.inner, randomness)
-                for name, blk in zip(subset.names, blocks):
-                    lo, hi = subset.offsets[name]
-                    jac[target, :o, lo:hi] = blk.reshape(len(idx), o, hi - lo)
+                blocks = _rev_block(g.fn, values, levels, g.chunks.inner, randomness)
+                parts = [
+                    (subset.offsets[name], blk.reshape(len(idx), o, -1))
+                    for name, blk in zip(subset.names, blocks)
+                ]
             else:
-                for span in plan.spans:
-                    lo, hi = span
-                    jac[target, :o, lo:hi] = _fwd_block(
-                        fn, values, levels, span, chunk.inner, randomness
+                parts = [
+                    (
+                        span,
+                        _fwd_block(g.fn, subset, values, levels, span, g.chunks.inner, randomness),
                     )
+                    for span in plan.spans
+                ]
+            for (lo, hi), blk in parts:
+                _write(jac, idx, blk, lo, hi, g.table)
     return jac
 
 
+def _write(
+    jac: Tensor, idx: list[int], block: Tensor, lo: int, hi: int, table: Tensor | None
+) -> None:
+    """Put ``block`` ``(n, O_g, hi - lo)`` of samples ``idx`` into ``jac``; with a ``table``,
+    only each sample's real rows, moved to the top in order."""
+    if table is None:
+        o = block.shape[1]
+        contiguous = idx == list(range(idx[0], idx[-1] + 1))
+        target = slice(idx[0], idx[-1] + 1) if contiguous else idx
+        jac[target, :o, lo:hi] = block
+        return
+    for k, i in enumerate(idx):
+        rows = table[i].nonzero().squeeze(1).to(block.device)
+        jac[i, : rows.numel(), lo:hi] = block[k].index_select(0, rows)
+
+
 def _rev_block(
-    fn: PerSampleFunction,
+    fn: Callable[..., Tensor],
     values: tuple[Tensor, ...],
     levels: list[Tensor],
     inner: int | None,
@@ -302,7 +385,8 @@ def _rev_block(
 
 
 def _fwd_block(
-    fn: PerSampleFunction,
+    fn: Callable[..., Tensor],
+    subset: ParamSubset,
     values: tuple[Tensor, ...],
     levels: list[Tensor],
     span: tuple[int, int],
@@ -313,7 +397,6 @@ def _fwd_block(
 
     Only the tensors overlapping ``span`` carry tangents (``span`` covers whole tensors).
     """
-    subset = fn.subset
     lo, hi = span
     names = subset.names
     offsets = subset.offsets
@@ -364,7 +447,7 @@ def _tangent_groups(
 
 
 def _warn(msg: str) -> None:
-    warnings.warn(msg, FallbackWarning, stacklevel=4)
+    warnings.warn(msg, FallbackWarning, stacklevel=5)
 
 
 def _first_line(err: BaseException) -> str:

@@ -35,15 +35,19 @@ class _StrEnum(str, Enum):
 class Strategy(_StrEnum):
     """How samples are batched through the model.
 
-    * ``auto``: ``vmap`` when all samples share one shape signature, else ``bucketed``.
+    * ``auto``: ``vmap`` when all samples share one shape signature, else ``bucketed`` or
+      ``padded``, whichever the cost model (``docs/padded.md``) expects to be cheaper.
     * ``vmap``: one vectorised call over all samples (needs one shape signature).
     * ``bucketed``: ``vmap`` within each group of samples with identical shape signatures.
+    * ``padded``: one vectorised call over the zero-padded batch with masked execution, exact
+      for models built from ops with a rule (``multiscale_jac.masked``).
     * ``loop``: the reference path, one sample and one output row at a time.
     """
 
     AUTO = "auto"
     VMAP = "vmap"
     BUCKETED = "bucketed"
+    PADDED = "padded"
     LOOP = "loop"
 
 

@@ -236,7 +236,7 @@ CASES = [
         "unknown_strategy",
         lambda: mj.per_sample_jacobian(_conv(), _x(), strategy="vmapp"),
         ValueError,
-        "unknown strategy 'vmapp'; expected one of 'auto', 'vmap', 'bucketed', 'loop'",
+        "unknown strategy 'vmapp'; expected one of 'auto', 'vmap', 'bucketed', 'padded', 'loop'",
     ),
     (
         "unknown_mode",

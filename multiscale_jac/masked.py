@@ -1,0 +1,1390 @@
+"""Masked execution: run an unmodified model on padded levels so that it computes exactly what
+it computes on every sample's unpadded levels.
+
+Every tensor that derives from an input level carries a :class:`Region`: for each sample of the
+batch, which of its elements are real (the rest is padding). After every op the output is
+re-zeroed outside its region, and every op with spatial extent has a rule saying how the region
+maps from input to output (a 3x3 conv shrinks it, a stride-2 pool halves it, a flatten turns it
+into a ragged vector, ...). Ops whose padded result can differ from the unpadded one get a
+special rule (max pooling fills padding with ``-inf``; norms use masked statistics); ops with no
+exact rule raise :class:`UnsupportedOpError` naming the op and the module that called it.
+
+Mechanism: a ``torch.overrides.TorchFunctionMode`` that sees every torch function the model
+calls, inside ``vmap``/``jacrev``/``jvp`` (the transforms trace the Python function once per
+call, so the mode runs once per vectorised call). Regions are *concrete* tables over the whole
+batch, ``(N, *extent)`` booleans; inside ``vmap`` each sample picks its row through a batched
+sample index. Concrete tables keep every rule's checks (equal regions for binary ops, a kernel
+that fits every sample) plain Python, which vmap's batched values could not do.
+Chosen over an ``fx.Interpreter`` because it needs no tracing, keeps the model's Python control
+flow and works on any module (see ``docs/padded.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["MaskedMode", "Region", "UnsupportedOpError", "SUPPORTED_OPS"]
+
+
+class UnsupportedOpError(ValueError):
+    """An op that has no exact rule on padded inputs (the engine falls back; see docs)."""
+
+    def __init__(self, op: str, module: str | None, reason: str) -> None:
+        self.op = op
+        self.module = module
+        self.reason = reason
+        where = f" in module {module!r}" if module else ""
+        super().__init__(f"padded execution: {op}{where}: {reason}")
+
+
+# ---------------------------------------------------------------------- regions
+@dataclass(frozen=True)
+class Region:
+    """Which elements of a tracked tensor are real, for every sample of the batch.
+
+    Attributes:
+        dims: The tensor dims the region constrains (others are real everywhere).
+        table: ``(N, *[size of d for d in dims])`` bool, concrete (never batched).
+        sizes: ``(N, len(dims))`` int64 when the region is a top-left box over ``dims``
+            (the valid size of every sample), else ``None``.
+        group: For an ordered region, the dims whose coordinates were merged with padded dims
+            (a superset of what ``dims`` needs: the table may be constant along some of them).
+
+    Two kinds of region: a **box** (``sizes`` known) is *positional*: a real element sits at
+    the same coordinates as in the unpadded tensor, so spatial ops (conv, pool, upsample) have
+    rules. After a flatten or reshape that merges padded dims with others, or a concatenation
+    along a padded dim, the region is *ordered* (``group`` is set): only the row-major order of
+    the real elements matches the unpadded tensor, not their coordinates along the ``group``
+    dims. Ordered regions allow ops that do not look at those coordinates (elementwise ops with
+    operands constant along ``group``, reductions over all of ``group``, concatenation along a
+    dim not after the first of ``group``, reshapes) and refuse the rest.
+    """
+
+    dims: tuple[int, ...]
+    table: Tensor
+    sizes: Tensor | None = None
+    group: tuple[int, ...] | None = None
+
+    @staticmethod
+    def box(sizes: Tensor, extent: Sequence[int], dims: Sequence[int]) -> Region:
+        """The top-left box ``[:sizes[i, 0], :sizes[i, 1], ...]`` in a tensor of ``extent``."""
+        n = sizes.shape[0]
+        table = torch.ones((n, *extent), dtype=torch.bool, device=sizes.device)
+        for k, m in enumerate(extent):
+            inside = torch.arange(m, device=sizes.device).unsqueeze(0) < sizes[:, k : k + 1]
+            shape = [n] + [1] * len(extent)
+            shape[1 + k] = m
+            table = table & inside.reshape(shape)
+        return Region(tuple(dims), table, sizes)
+
+    @property
+    def ordered(self) -> bool:
+        return self.group is not None
+
+    @property
+    def touched(self) -> tuple[int, ...]:
+        """Dims whose coordinates depend on padding: ``dims``, and ``group`` if ordered."""
+        return tuple(sorted(set(self.dims) | set(self.group or ())))
+
+    @property
+    def extent(self) -> tuple[int, ...]:
+        return tuple(self.table.shape[1:])
+
+    def moved(self, where: Callable[[int], int]) -> Region:
+        """The same region with every dim ``d`` moved to ``where(d)`` (a shift or permute)."""
+        dims = [where(d) for d in self.dims]
+        order = sorted(range(len(dims)), key=lambda k: dims[k])
+        table = self.table.permute(0, *(1 + k for k in order))
+        sizes = None if self.sizes is None else self.sizes[:, order]
+        group = None if self.group is None else tuple(sorted(where(d) for d in self.group))
+        return Region(tuple(dims[k] for k in order), table, sizes, group)
+
+    def full_table(self, shape: Sequence[int]) -> Tensor:
+        """The table expanded over every dim of a tensor of ``shape``: ``(N, *shape)``."""
+        n = self.table.shape[0]
+        view = [n] + [1] * len(shape)
+        for k, d in enumerate(self.dims):
+            view[1 + d] = self.table.shape[1 + k]
+        return self.table.reshape(view).expand(n, *shape)
+
+    def same_as(self, other: Region) -> bool:
+        return (
+            self.dims == other.dims
+            and self.group == other.group
+            and self.extent == other.extent
+            and bool(torch.equal(self.table, other.table))
+        )
+
+
+def compact(region: Region | None) -> Region | None:
+    """Drop dims along which the table is constant; ``None`` if everything is real."""
+    if region is None:
+        return None
+    table, dims, sizes = region.table, list(region.dims), region.sizes
+    k = 0
+    while k < len(dims):
+        t = table.movedim(1 + k, -1)
+        if torch.equal(t.all(-1), t.any(-1)):
+            table = t.any(-1)
+            del dims[k]
+            if sizes is not None:
+                sizes = torch.cat([sizes[:, :k], sizes[:, k + 1 :]], dim=1)
+        else:
+            k += 1
+    if bool(table.all()):
+        return None
+    return Region(tuple(dims), table, sizes, region.group)
+
+
+# ---------------------------------------------------------------------- the mode
+Rule = Callable[["MaskedMode", Callable, tuple, dict], Any]
+_RULES: dict[Any, Rule] = {}
+
+
+def _rule(*funcs: Any) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        for f in funcs:
+            if f is not None:
+                _RULES[f] = fn
+        return fn
+
+    return register
+
+
+class MaskedMode(TorchFunctionMode):
+    """Track regions and re-zero after every op (see the module docstring).
+
+    Args:
+        sample_index: The sample's row in every region table: a 0-d int64 tensor, batched
+            under ``vmap``.
+        model: Used to name the module of an unsupported op in errors.
+    """
+
+    def __init__(self, sample_index: Tensor, model: nn.Module | None = None) -> None:
+        super().__init__()
+        self._index = sample_index.reshape(1)
+        self._regions: dict[int, tuple[weakref.ref, Region]] = {}
+        self._module_names = {} if model is None else {id(m): n for n, m in model.named_modules()}
+
+    # -------------------------------------------------------------- bookkeeping
+    def region(self, t: Any) -> Region | None:
+        if not isinstance(t, Tensor):
+            return None
+        entry = self._regions.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1]
+
+    def track(self, t: Tensor, region: Region | None) -> Tensor:
+        """Record ``region`` for ``t`` (compacted; nothing if fully real)."""
+        region = compact(region)
+        key = id(t)
+        if region is None:
+            self._regions.pop(key, None)
+            return t
+        self._regions[key] = (weakref.ref(t, lambda _, k=key: self._regions.pop(k, None)), region)
+        return t
+
+    def mask(self, region: Region, ndim: int) -> Tensor:
+        """This sample's bool mask, shaped to broadcast against a tensor of ``ndim`` dims."""
+        m = region.table.index_select(0, self._index.to(region.table.device))[0]
+        shape = [1] * ndim
+        for k, d in enumerate(region.dims):
+            shape[d] = m.shape[k]
+        return m.reshape(shape)
+
+    def rezero(self, out: Tensor, region: Region | None) -> Tensor:
+        """``out`` with zeros outside ``region`` (a new tensor), tracked."""
+        region = compact(region)
+        if region is None:
+            return out
+        return self.track(torch.where(self.mask(region, out.dim()), out, 0), region)
+
+    def fill(self, t: Tensor, region: Region | None, value: float) -> Tensor:
+        """``t`` with ``value`` outside ``region`` (untracked helper for pooling/normalising)."""
+        if region is None:
+            return t
+        return torch.where(self.mask(region, t.dim()), t, value)
+
+    def unsupported(self, func: Any, reason: str) -> UnsupportedOpError:
+        return UnsupportedOpError(_op_name(func), self._current_module(), reason)
+
+    def _current_module(self) -> str | None:
+        frame = sys._getframe(1)
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, nn.Module) and id(obj) in self._module_names:
+                return self._module_names[id(obj)] or "<model>"
+            frame = frame.f_back
+        return None
+
+    # -------------------------------------------------------------- dispatch
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not any(self.region(t) is not None for t in _tensors(args, kwargs)):
+            return func(*args, **kwargs)
+        rule = _RULES.get(func)
+        if rule is not None:
+            return rule(self, func, args, kwargs)
+        out = func(*args, **kwargs)
+        if any(True for _ in _tensors((out,), {})):
+            raise self.unsupported(func, "no exact rule for this op on padded inputs")
+        return out  # shape/dtype queries and the like
+
+
+def _tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor):
+                    yield b
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    qual = getattr(func, "__qualname__", "") or ""
+    module = getattr(func, "__module__", "") or ""
+    if "boolean_dispatch" in qual:
+        return f"F.{name}"
+    if qual.startswith(("TensorBase.", "Tensor.")):
+        return f"Tensor.{name}"
+    if module.startswith("torch.nn.functional"):
+        return f"F.{name}"
+    return f"torch.{name}"
+
+
+def _bind(
+    args: tuple, kwargs: dict, names: Sequence[str], defaults: dict[str, Any]
+) -> dict[str, Any]:
+    out = dict(defaults)
+    out.update(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
+def _with_input(args: tuple, kwargs: dict, new: Tensor) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the first argument (``input``) replaced by ``new``."""
+    if args:
+        return (new, *args[1:]), kwargs
+    return (), {**kwargs, "input": new}
+
+
+def _ntuple(x: Any, n: int) -> tuple:
+    if isinstance(x, (list, tuple)):
+        return tuple(x) if len(x) == n else tuple(x) * n if len(x) == 1 else tuple(x)
+    return (x,) * n
+
+
+# ---------------------------------------------------------------------- elementwise
+_UNARY = [
+    torch.relu,
+    F.relu,
+    torch.Tensor.relu,
+    torch.relu_,
+    torch.Tensor.relu_,
+    F.relu6,
+    F.leaky_relu,
+    F.elu,
+    F.selu,
+    F.celu,
+    F.gelu,
+    F.silu,
+    F.mish,
+    F.hardswish,
+    F.hardsigmoid,
+    F.hardtanh,
+    F.softplus,
+    F.softsign,
+    F.tanhshrink,
+    F.logsigmoid,
+    F.sigmoid,
+    torch.sigmoid,
+    torch.Tensor.sigmoid,
+    F.tanh,
+    torch.tanh,
+    torch.Tensor.tanh,
+    torch.exp,
+    torch.Tensor.exp,
+    torch.abs,
+    torch.Tensor.abs,
+    torch.neg,
+    torch.Tensor.neg,
+    torch.clamp,
+    torch.Tensor.clamp,
+    torch.clip,
+    torch.Tensor.clip,
+    torch.square,
+    torch.Tensor.square,
+    torch.sin,
+    torch.Tensor.sin,
+    torch.cos,
+    torch.Tensor.cos,
+    torch.erf,
+    torch.Tensor.erf,
+    F.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.alpha_dropout,
+    F.prelu,
+    torch.Tensor.contiguous,
+    torch.Tensor.clone,
+    torch.clone,
+    torch.Tensor.detach,
+    torch.Tensor.to,
+    torch.Tensor.float,
+    torch.Tensor.double,
+    torch.Tensor.half,
+    torch.Tensor.type_as,
+    torch.Tensor.gt,
+    torch.Tensor.lt,
+    torch.Tensor.ge,
+    torch.Tensor.le,
+    torch.gt,
+    torch.lt,
+    torch.ge,
+    torch.le,
+    torch.Tensor.clamp_,
+    torch.Tensor.mul_,
+    torch.Tensor.add_,
+    torch.Tensor.sub_,
+    torch.Tensor.div_,
+    torch.Tensor.sigmoid_,
+    torch.Tensor.tanh_,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.empty_like,
+]
+_BINARY = [
+    torch.add,
+    torch.Tensor.add,
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.sub,
+    torch.Tensor.sub,
+    torch.Tensor.__sub__,
+    torch.Tensor.__rsub__,
+    torch.mul,
+    torch.Tensor.mul,
+    torch.Tensor.__mul__,
+    torch.Tensor.__rmul__,
+    torch.maximum,
+    torch.minimum,
+    torch.where,
+    torch.Tensor.where,
+    torch.Tensor.masked_fill,
+]
+#: Ops that are singular at 0 (value or derivative): their padded inputs are set to 1 first, so
+#: that no inf/nan is produced there (``where`` would hide it in the forward pass but not in the
+#: backward pass).
+_SINGULAR = {
+    torch.div: (1,),
+    torch.Tensor.div: (1,),
+    torch.Tensor.__truediv__: (1,),
+    torch.Tensor.__rtruediv__: (0,),
+    torch.Tensor.__rdiv__: (0,),
+    torch.true_divide: (1,),
+    torch.log: (0,),
+    torch.Tensor.log: (0,),
+    torch.sqrt: (0,),
+    torch.Tensor.sqrt: (0,),
+    torch.rsqrt: (0,),
+    torch.Tensor.rsqrt: (0,),
+    torch.reciprocal: (0,),
+    torch.Tensor.reciprocal: (0,),
+    torch.pow: (0,),
+    torch.Tensor.pow: (0,),
+    torch.Tensor.__pow__: (0,),
+    torch.Tensor.__rpow__: (0,),
+    torch.log2: (0,),
+    torch.log10: (0,),
+}
+#: In-place ops that keep zeros zero (their output must not be modified again: autograd may have
+#: saved it).
+_ZERO_PRESERVING_INPLACE = {torch.relu_, torch.Tensor.relu_, torch.Tensor.mul_, torch.Tensor.div_}
+
+
+def _common_region(
+    mode: MaskedMode, func: Any, tensors: Sequence[Tensor], out_ndim: int
+) -> Region | None:
+    """The one region every tracked tensor has (dims aligned for broadcasting), else raise."""
+    found: Region | None = None
+    for t in tensors:
+        r = mode.region(t)
+        if r is None:
+            continue
+        shift = out_ndim - t.dim()
+        r = r.moved(lambda d, s=shift: d + s) if shift else r
+        if found is None:
+            found = r
+        elif not found.same_as(r):
+            raise mode.unsupported(
+                func,
+                "its tensor inputs have different valid regions per sample (the unpadded "
+                "model would combine tensors of different shapes)",
+            )
+    return found
+
+
+@_rule(*_UNARY, *_BINARY, *_SINGULAR)
+def _elementwise(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Any:
+    tensors = list(_tensors(args, kwargs))
+    if func in _SINGULAR:
+        args = list(args)
+        for pos in _SINGULAR[func]:
+            if pos < len(args) and mode.region(args[pos]) is not None:
+                args[pos] = mode.fill(args[pos], mode.region(args[pos]), 1.0)
+        args = tuple(args)
+    out = func(*args, **kwargs)
+    if not isinstance(out, Tensor):
+        return out
+    region = _common_region(mode, func, tensors, out.dim())
+    if region is not None and region.ordered:
+        for t in tensors:
+            if mode.region(t) is None and t.numel() > 1:
+                shift = out.dim() - t.dim()
+                if any(0 <= d - shift < t.dim() and t.shape[d - shift] > 1 for d in region.group):
+                    raise mode.unsupported(
+                        func,
+                        "an unpadded tensor combined position by position with a flattened "
+                        "padded one (positions differ from the unpadded model's)",
+                    )
+    inplace = any(out is t for t in tensors) or kwargs.get("inplace", False)
+    if inplace:
+        if func not in _ZERO_PRESERVING_INPLACE and not _zero_preserving(func, args, kwargs, mode):
+            out.masked_fill_(~mode.mask(region, out.dim()), 0)
+        return mode.track(out, region)
+    return mode.rezero(out, region)
+
+
+def _zero_preserving(func: Any, args: tuple, kwargs: dict, mode: MaskedMode) -> bool:
+    """In-place ops that map 0 to 0 given these arguments."""
+    if func in (F.relu, F.relu6, F.leaky_relu, F.elu, F.hardtanh):
+        if func is F.hardtanh:
+            lo = _bind(
+                args, kwargs, ["input", "min_val", "max_val"], {"min_val": -1.0, "max_val": 1.0}
+            )
+            return lo["min_val"] <= 0 <= lo["max_val"]
+        return True
+    if func in (torch.Tensor.add_, torch.Tensor.sub_):
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        return mode.region(other) is not None or (not isinstance(other, Tensor) and other == 0)
+    if func is torch.Tensor.clamp_:
+        b = _bind(args, kwargs, ["input", "min", "max"], {"min": None, "max": None})
+        lo, hi = b["min"], b["max"]
+        return (
+            not isinstance(lo, Tensor)
+            and not isinstance(hi, Tensor)
+            and (lo is None or lo <= 0)
+            and (hi is None or hi >= 0)
+        )
+    return False
+
+
+# ---------------------------------------------------------------------- spatial helpers
+def _spatial_region(mode: MaskedMode, func: Any, x: Tensor, nsp: int) -> Region:
+    """The box region over the last ``nsp`` dims of ``x``, else raise."""
+    r = mode.region(x)
+    dims = tuple(range(x.dim() - nsp, x.dim()))
+    if r is None:
+        raise mode.unsupported(func, "internal: untracked input")  # pragma: no cover
+    if r.ordered or r.sizes is None or not set(r.dims) <= set(dims):
+        raise mode.unsupported(
+            func,
+            "its input's padding is not a top-left box over the spatial dims (for example "
+            "after a flatten or a reshape)",
+        )
+    sizes = (
+        torch.stack(
+            [
+                r.sizes[:, r.dims.index(d)]
+                if d in r.dims
+                else torch.full_like(r.sizes[:, 0], x.shape[d])
+                for d in dims
+            ],
+            dim=1,
+        )
+        if r.dims != dims
+        else r.sizes
+    )
+    return Region.box(sizes, [x.shape[d] for d in dims], dims)
+
+
+def _out_sizes(
+    mode: MaskedMode,
+    func: Any,
+    sizes: Tensor,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool = False,
+) -> Tensor:
+    """Per-sample output sizes of a sliding window (PyTorch's conv/pool formula)."""
+    out = []
+    for k in range(sizes.shape[1]):
+        s_in = sizes[:, k]
+        span = s_in + 2 * padding[k] - dilation[k] * (kernel[k] - 1) - 1
+        if ceil_mode:
+            o = torch.div(span + stride[k] - 1, stride[k], rounding_mode="floor") + 1
+            # the last window must start inside the input or the left padding
+            o = torch.where((o - 1) * stride[k] >= s_in + padding[k], o - 1, o)
+        else:
+            o = torch.div(span, stride[k], rounding_mode="floor") + 1
+        if bool((o < 1).any()):
+            i = int((o < 1).nonzero()[0, 0])
+            raise ValueError(
+                f"padded execution: {_op_name(func)}: sample {i} has valid size {tuple(sizes[i].tolist())} "
+                f"along the spatial dims, too small for kernel {tuple(kernel)} (the unpadded model fails too)"
+            )
+        out.append(o)
+    return torch.stack(out, dim=1)
+
+
+# ---------------------------------------------------------------------- convolution
+@_rule(torch.conv1d, torch.conv2d, torch.conv3d)
+def _conv(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
+        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    )
+    x, w = b["input"], b["weight"]
+    if mode.region(w) is not None or (b["bias"] is not None and mode.region(b["bias"]) is not None):
+        raise mode.unsupported(func, "a padded tensor as conv weight")
+    nsp = w.dim() - 2
+    region = _spatial_region(mode, func, x, nsp)
+    kernel = tuple(w.shape[2:])
+    stride = _ntuple(b["stride"], nsp)
+    dilation = _ntuple(b["dilation"], nsp)
+    padding = b["padding"]
+    if padding == "valid":
+        padding = (0,) * nsp
+    elif padding == "same":
+        padding = tuple(
+            d * (k - 1) // 2 for d, k in zip(dilation, kernel)
+        )  # left part; right is read from zeros
+        sizes = region.sizes
+        out = func(*args, **kwargs)
+        return mode.rezero(
+            out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim()))
+        )
+    padding = _ntuple(padding, nsp)
+    sizes = _out_sizes(mode, func, region.sizes, kernel, stride, padding, dilation)
+    out = func(*args, **kwargs)
+    return mode.rezero(out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim())))
+
+
+# ---------------------------------------------------------------------- pooling
+def _pool_args(b: dict, nsp: int) -> tuple:
+    kernel = _ntuple(b["kernel_size"], nsp)
+    stride = _ntuple(b["stride"] if b["stride"] not in (None, [], ()) else kernel, nsp)
+    padding = _ntuple(b["padding"], nsp)
+    return kernel, stride, padding
+
+
+def _max_pool(nsp: int) -> Rule:
+    def rule(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+        b = _bind(
+            args,
+            kwargs,
+            [
+                "input",
+                "kernel_size",
+                "stride",
+                "padding",
+                "dilation",
+                "ceil_mode",
+                "return_indices",
+            ],
+            {
+                "stride": None,
+                "padding": 0,
+                "dilation": 1,
+                "ceil_mode": False,
+                "return_indices": False,
+            },
+        )
+        if b["return_indices"]:
+            raise mode.unsupported(func, "return_indices=True (indices refer to padded positions)")
+        x = b["input"]
+        region = _spatial_region(mode, func, x, nsp)
+        kernel, stride, padding = _pool_args(b, nsp)
+        dilation = _ntuple(b["dilation"], nsp)
+        sizes = _out_sizes(
+            mode, func, region.sizes, kernel, stride, padding, dilation, b["ceil_mode"]
+        )
+        new_args, new_kwargs = _with_input(args, kwargs, mode.fill(x, region, -math.inf))
+        out = func(*new_args, **new_kwargs)
+        return mode.rezero(
+            out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim()))
+        )
+
+    return rule
+
+
+_rule(F.max_pool1d, torch.max_pool1d)(_max_pool(1))
+_rule(F.max_pool2d, torch.max_pool2d)(_max_pool(2))
+_rule(F.max_pool3d, torch.max_pool3d)(_max_pool(3))
+
+_AVG_POOL = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3}
+
+
+@_rule(*_AVG_POOL)
+def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    nsp = _AVG_POOL[func]
+    b = _bind(
+        args,
+        kwargs,
+        [
+            "input",
+            "kernel_size",
+            "stride",
+            "padding",
+            "ceil_mode",
+            "count_include_pad",
+            "divisor_override",
+        ],
+        {
+            "stride": None,
+            "padding": 0,
+            "ceil_mode": False,
+            "count_include_pad": True,
+            "divisor_override": None,
+        },
+    )
+    x = b["input"]
+    region = _spatial_region(mode, func, x, nsp)
+    kernel, stride, padding = _pool_args(b, nsp)
+    sizes = _out_sizes(
+        mode, func, region.sizes, kernel, stride, padding, (1,) * nsp, b["ceil_mode"]
+    )
+    # window sums (padding and the padded region hold zeros), divided per sample like PyTorch
+    x2 = x.unsqueeze(-1) if nsp == 1 else x
+    k2, s2, p2 = (
+        ((*kernel, 1), (*stride, 1), (*padding, 0)) if nsp == 1 else (kernel, stride, padding)
+    )
+    pool = F.avg_pool2d if nsp <= 2 else F.avg_pool3d
+    sums = pool(x2, k2, s2, p2, b["ceil_mode"], True, 1)
+    if nsp == 1:
+        sums = sums.squeeze(-1)
+    out_extent = tuple(sums.shape[-nsp:])
+    if b["divisor_override"]:
+        divisor = torch.full(
+            (1,) * sums.dim(), float(b["divisor_override"]), dtype=sums.dtype, device=sums.device
+        )
+    else:
+        table = _avg_divisor(
+            region, out_extent, kernel, stride, padding, b["count_include_pad"], x.dtype
+        )
+        divisor = table.index_select(0, mode._index.to(table.device))[0].reshape(
+            (1,) * (sums.dim() - nsp) + out_extent
+        )
+    out = sums / divisor
+    return mode.rezero(out, Region.box(sizes, out_extent, range(out.dim() - nsp, out.dim())))
+
+
+def _avg_divisor(
+    region: Region,
+    out_extent: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    count_include_pad: bool,
+    dtype: torch.dtype,
+) -> Tensor:
+    """Per-sample divisor table ``(N, *out_extent)`` as PyTorch computes it unpadded (1 where
+    the output is padding, to avoid dividing by zero)."""
+    n = region.sizes.shape[0]
+    dev = region.sizes.device
+    table = torch.ones((n, *out_extent), dtype=dtype, device=dev)
+    for k, m in enumerate(out_extent):
+        o = torch.arange(m, device=dev).unsqueeze(0)  # (1, m)
+        s_in = region.sizes[:, k : k + 1]  # (N, 1)
+        start = o * stride[k] - padding[k]
+        end = torch.minimum(start + kernel[k], s_in + padding[k])
+        if count_include_pad:
+            count = end - start
+        else:
+            count = torch.minimum(end, s_in) - torch.clamp(start, min=0)
+        count = torch.clamp(count, min=1).to(dtype)
+        shape = [n] + [1] * len(out_extent)
+        shape[1 + k] = m
+        table = table * count.reshape(shape)
+    return table
+
+
+_ADAPTIVE = {
+    F.adaptive_avg_pool1d: (1, "avg"),
+    F.adaptive_avg_pool2d: (2, "avg"),
+    F.adaptive_avg_pool3d: (3, "avg"),
+    F.adaptive_max_pool1d: (1, "max"),
+    F.adaptive_max_pool2d: (2, "max"),
+    F.adaptive_max_pool3d: (3, "max"),
+}
+
+
+@_rule(*_ADAPTIVE)
+def _adaptive_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    nsp, kind = _ADAPTIVE[func]
+    b = _bind(args, kwargs, ["input", "output_size", "return_indices"], {"return_indices": False})
+    size = _ntuple(b["output_size"], nsp)
+    if any(s != 1 for s in size) or b["return_indices"]:
+        raise mode.unsupported(
+            func,
+            "only output size 1 (global pooling) has an exact rule; other sizes bin the input by its size",
+        )
+    x = b["input"]
+    dims = tuple(range(x.dim() - nsp, x.dim()))
+    return _reduce_impl(mode, func, x, dims, True, "mean" if kind == "avg" else "amax")
+
+
+# ---------------------------------------------------------------------- reductions
+_REDUCE = {
+    torch.sum: "sum",
+    torch.Tensor.sum: "sum",
+    torch.mean: "mean",
+    torch.Tensor.mean: "mean",
+    torch.amax: "amax",
+    torch.Tensor.amax: "amax",
+    torch.amin: "amin",
+    torch.Tensor.amin: "amin",
+}
+
+
+@_rule(*_REDUCE)
+def _reduce(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(args, kwargs, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+    if "dtype" in kwargs:
+        raise mode.unsupported(func, "dtype= in a reduction")
+    x = b["input"]
+    dim = b["dim"]
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        dims = tuple(range(x.dim()))
+    else:
+        dims = tuple(d % x.dim() for d in _ntuple(dim, 1))
+    return _reduce_impl(mode, func, x, dims, b["keepdim"], _REDUCE[func])
+
+
+def _reduce_impl(
+    mode: MaskedMode, func: Any, x: Tensor, dims: tuple[int, ...], keepdim: bool, kind: str
+) -> Tensor:
+    region = mode.region(x)
+    reduced = [d for d in region.touched if d in dims]
+    if region.ordered and reduced and not set(region.group) <= set(dims):
+        raise mode.unsupported(
+            func,
+            "a reduction over part of a flattened padded group (which elements it combines "
+            "depends on positions that differ from the unpadded model's)",
+        )
+    if not reduced:  # reducing over dims where everything is real: elementwise for the region
+        out = _plain_reduce(x, dims, keepdim, kind)
+        return mode.rezero(out, _after_reduce(region, dims, keepdim, x.dim()))
+    if kind in ("amax", "amin"):
+        filled = mode.fill(x, region, -math.inf if kind == "amax" else math.inf)
+        out = _plain_reduce(filled, dims, keepdim, kind)
+    else:
+        out = _plain_reduce(x, dims, keepdim, "sum")  # padding holds zeros
+        if kind == "mean":
+            full = region.full_table(x.shape).to(x.dtype)  # (N, *shape)
+            count = full.sum(dim=tuple(1 + d for d in dims), keepdim=keepdim)
+            count = torch.clamp(count, min=1)
+            out = out / count.index_select(0, mode._index.to(count.device))[0]
+    return mode.rezero(out, _after_reduce(region, dims, keepdim, x.dim()))
+
+
+def _plain_reduce(x: Tensor, dims: tuple[int, ...], keepdim: bool, kind: str) -> Tensor:
+    if kind == "sum":
+        return x.sum(dim=dims, keepdim=keepdim)
+    if kind == "mean":
+        return x.mean(dim=dims, keepdim=keepdim)
+    if kind == "amax":
+        return x.amax(dim=dims, keepdim=keepdim)
+    return x.amin(dim=dims, keepdim=keepdim)
+
+
+def _after_reduce(region: Region, dims: tuple[int, ...], keepdim: bool, ndim: int) -> Region | None:
+    """An output element is real if any element it reduces is real. Reducing all of an ordered
+    group leaves no mixed coordinates behind."""
+
+    def where(d: int) -> int:
+        return d if keepdim else d - sum(1 for r in dims if r < d)
+
+    keep = [k for k, d in enumerate(region.dims) if d not in dims]
+    red = tuple(1 + k for k, d in enumerate(region.dims) if d in dims)
+    table = region.table.any(dim=red) if red else region.table
+    sizes = None if region.sizes is None else region.sizes[:, keep]
+    group = region.group
+    if group is not None:
+        group = None if set(group) <= set(dims) else tuple(where(d) for d in group)
+    new_dims = tuple(where(region.dims[k]) for k in keep)
+    if not new_dims and bool(table.all()):
+        return None
+    return Region(new_dims, table, sizes if new_dims else None, group)
+
+
+# ---------------------------------------------------------------------- softmax
+@_rule(
+    F.softmax,
+    torch.softmax,
+    torch.Tensor.softmax,
+    F.log_softmax,
+    torch.log_softmax,
+    torch.Tensor.log_softmax,
+)
+def _softmax(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(args, kwargs, ["input", "dim"], {"dim": None})
+    x = b["input"]
+    if b["dim"] is None:
+        raise mode.unsupported(func, "softmax without dim")
+    dim = b["dim"] % x.dim()
+    region = mode.region(x)
+    if dim in region.touched:
+        if region.ordered and region.group != (dim,):
+            raise mode.unsupported(func, "softmax over one dim of a flattened padded group")
+        new_args, new_kwargs = _with_input(args, kwargs, mode.fill(x, region, -math.inf))
+        return mode.rezero(func(*new_args, **new_kwargs), region)
+    out = func(*args, **kwargs)
+    return mode.rezero(out, region)
+
+
+# ---------------------------------------------------------------------- upsampling
+@_rule(F.interpolate)
+def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        [
+            "input",
+            "size",
+            "scale_factor",
+            "mode",
+            "align_corners",
+            "recompute_scale_factor",
+            "antialias",
+        ],
+        {
+            "size": None,
+            "scale_factor": None,
+            "mode": "nearest",
+            "align_corners": None,
+            "recompute_scale_factor": None,
+            "antialias": False,
+        },
+    )
+    x = b["input"]
+    nsp = x.dim() - 2
+    if b["mode"] not in ("nearest", "nearest-exact"):
+        raise mode.unsupported(
+            func,
+            f"mode={b['mode']!r} reads across the border of the valid region; only nearest with an integer scale_factor is exact",
+        )
+    if b["size"] is not None or b["scale_factor"] is None:
+        raise mode.unsupported(
+            func,
+            "size= gives every sample the padded target size, but the per-sample target sizes differ; use an integer scale_factor",
+        )
+    scale = _ntuple(b["scale_factor"], nsp)
+    if any(float(s) != int(s) or int(s) < 1 for s in scale):
+        raise mode.unsupported(
+            func, f"scale_factor={b['scale_factor']!r} is not a positive integer"
+        )
+    region = _spatial_region(mode, func, x, nsp)
+    sizes = region.sizes * torch.tensor([int(s) for s in scale], device=region.sizes.device)
+    out = func(*args, **kwargs)
+    return mode.rezero(out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim())))
+
+
+# ---------------------------------------------------------------------- concatenation
+@_rule(torch.cat, torch.concat, torch.concatenate)
+def _cat(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(args, kwargs, ["tensors", "dim"], {"dim": 0})
+    tensors = list(b["tensors"])
+    out = func(*args, **kwargs)
+    dim = b["dim"] % out.dim()
+    regions = [mode.region(t) for t in tensors]
+    if all(r is None or dim not in r.dims for r in regions):
+        return mode.rezero(out, _common_region(mode, func, tensors, out.dim()))
+    # along a padded dim: the real elements of the result in row-major order are those of the
+    # inputs in order, if no padded dim comes before ``dim`` (ordered inputs) and, for boxes,
+    # the other dims agree (as the unpadded model's shapes must)
+    n = next(r for r in regions if r is not None).table.shape[0]
+    tables, rest = [], None
+    group = {dim}
+    for t, r in zip(tensors, regions):
+        full = (
+            torch.ones((n, *t.shape), dtype=torch.bool, device=out.device)
+            if r is None
+            else r.full_table(t.shape)
+        )
+        if r is not None and r.ordered:
+            if min(r.group) < dim:
+                raise mode.unsupported(
+                    func,
+                    "concatenation along a dim after the first of a flattened padded group "
+                    "(it would interleave real elements in another order than unpadded)",
+                )
+        else:
+            other = full.any(dim=1 + dim)
+            if rest is not None and not torch.equal(rest, other):
+                raise mode.unsupported(
+                    func,
+                    "its inputs have different valid sizes along the other dims (the "
+                    "unpadded model would concatenate tensors of mismatched shapes)",
+                )
+            rest = other
+        if r is not None:
+            group.update(r.touched)
+        tables.append(full)
+    table = torch.cat(tables, dim=1 + dim)
+    return mode.rezero(out, Region(tuple(range(out.dim())), table, None, tuple(sorted(group))))
+
+
+@_rule(torch.stack)
+def _stack(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(args, kwargs, ["tensors", "dim"], {"dim": 0})
+    tensors = list(b["tensors"])
+    out = func(*args, **kwargs)
+    dim = b["dim"] % out.dim()
+    region = _common_region(mode, func, tensors, tensors[0].dim())
+    if region is None:
+        return out
+    shifted = region.moved(lambda d: d + (1 if d >= dim else 0))
+    return mode.rezero(out, shifted)
+
+
+# ---------------------------------------------------------------------- layout
+@_rule(
+    torch.Tensor.view,
+    torch.Tensor.reshape,
+    torch.reshape,
+    torch.Tensor.flatten,
+    torch.flatten,
+    torch.Tensor.unflatten,
+    torch.unflatten,
+    torch.Tensor.view_as,
+    torch.Tensor.reshape_as,
+)
+def _reshape(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    x = args[0] if args else kwargs["input"]
+    if (
+        func in (torch.Tensor.view, torch.Tensor.reshape)
+        and len(args) == 2
+        and isinstance(args[1], torch.dtype)
+    ):
+        raise mode.unsupported(func, "a dtype view")
+    out = func(*args, **kwargs)
+    region = mode.region(x)
+    if out.dim() == x.dim() and out.shape == x.shape:
+        return mode.track(out, region)
+    return mode.track(out, reshaped_region(region, x.shape, out.shape))
+
+
+def reshaped_region(region: Region, old: Sequence[int], new: Sequence[int]) -> Region | None:
+    """The region of ``x.reshape(new)`` for ``x`` of shape ``old``.
+
+    Dims that the reshape leaves alone keep their meaning (a box stays a box); dims merged or
+    split together with a padded dim become an ordered group.
+    """
+    table = region.full_table(old).reshape(region.table.shape[0], *new)
+    touched = set(region.touched)
+    where: dict[int, int] = {}
+    group: set[int] = set()
+    for old_dims, new_dims in _reshape_blocks(old, new):
+        if len(old_dims) == 1 and len(new_dims) == 1:
+            where[old_dims[0]] = new_dims[0]
+        elif touched & set(old_dims):
+            group.update(new_dims)
+    for d in region.group or ():
+        if d in where:
+            group.add(where[d])
+    if not group:
+        moved = region.moved(where.__getitem__)
+        return compact(Region(moved.dims, moved.table, moved.sizes))
+    return compact(Region(tuple(range(len(new))), table, None, tuple(sorted(group))))
+
+
+def _reshape_blocks(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair up dims of ``old`` and ``new`` into blocks with equal products (size-1 dims alone)."""
+    blocks: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(old) or j < len(new):
+        if j < len(new) and new[j] == 1 and (i >= len(old) or old[i] != 1):
+            blocks.append(([], [j]))
+            j += 1
+            continue
+        if i < len(old) and old[i] == 1 and (j >= len(new) or new[j] != 1):
+            blocks.append(([i], []))
+            i += 1
+            continue
+        oi, nj = [i], [j]
+        po, pn = old[i], new[j]
+        i += 1
+        j += 1
+        while po != pn:
+            if po < pn:
+                oi.append(i)
+                po *= old[i]
+                i += 1
+            else:
+                nj.append(j)
+                pn *= new[j]
+                j += 1
+        blocks.append((oi, nj))
+    return blocks
+
+
+@_rule(
+    torch.Tensor.permute,
+    torch.permute,
+    torch.Tensor.transpose,
+    torch.transpose,
+    torch.Tensor.movedim,
+    torch.movedim,
+    torch.Tensor.t,
+    torch.t,
+)
+def _permute(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    x = args[0] if args else kwargs["input"]
+    out = func(*args, **kwargs)
+    region = mode.region(x)
+    order = _dim_order(func, args, kwargs, x.dim())
+    if region.ordered and [order.index(d) for d in region.group] != sorted(
+        order.index(d) for d in region.group
+    ):
+        raise mode.unsupported(func, "a permutation that reorders a flattened padded group")
+    return mode.track(out, region.moved(order.index))
+
+
+def _dim_order(func: Any, args: tuple, kwargs: dict, ndim: int) -> list[int]:
+    """``order[j]`` = the input dim that becomes output dim ``j``."""
+    rest = list(args[1:]) + [v for k, v in kwargs.items() if k != "input"]
+    if func in (torch.Tensor.permute, torch.permute):
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+        return [d % ndim for d in dims]
+    order = list(range(ndim))
+    if func in (torch.Tensor.t, torch.t):
+        return order[::-1]
+    if func in (torch.Tensor.transpose, torch.transpose):
+        a, b = rest[0] % ndim, rest[1] % ndim
+        order[a], order[b] = order[b], order[a]
+        return order
+    src, dst = _ntuple(rest[0], 1), _ntuple(rest[1], 1)
+    src = [s % ndim for s in src]
+    dst = [d % ndim for d in dst]
+    remaining = [d for d in order if d not in src]
+    result = [None] * ndim
+    for s, d in zip(src, dst):
+        result[d] = s
+    it = iter(remaining)
+    return [r if r is not None else next(it) for r in result]
+
+
+@_rule(torch.Tensor.squeeze, torch.squeeze, torch.Tensor.unsqueeze, torch.unsqueeze)
+def _squeeze(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    x = args[0] if args else kwargs["input"]
+    out = func(*args, **kwargs)
+    return mode.track(out, reshaped_region(mode.region(x), x.shape, out.shape))
+
+
+@_rule(torch.Tensor.expand, torch.Tensor.expand_as)
+def _expand(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    x = args[0]
+    out = func(*args, **kwargs)
+    region = mode.region(x)
+    shift = out.dim() - x.dim()
+    return mode.track(out, region.moved(lambda d: d + shift))
+
+
+@_rule(torch.Tensor.__getitem__)
+def _getitem(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    x, index = args[0], args[1]
+    region = mode.region(x)
+    idx = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, (Tensor, list, bool)) for i in idx):
+        raise mode.unsupported(func, "tensor/advanced indexing of a padded tensor")
+    # expand Ellipsis
+    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    expanded: list[Any] = []
+    for i in idx:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (x.dim() - n_real))
+        else:
+            expanded.append(i)
+    expanded.extend([slice(None)] * (x.dim() - sum(1 for i in expanded if i is not None)))
+    out_dim = 0
+    in_dim = 0
+    mapping: dict[int, int] = {}
+    for i in expanded:
+        if i is None:
+            out_dim += 1
+            continue
+        if isinstance(i, int):
+            if in_dim in region.touched:
+                raise mode.unsupported(func, "integer indexing along a padded dim")
+            in_dim += 1
+            continue
+        if in_dim in region.touched and i != slice(None):
+            raise mode.unsupported(func, "slicing along a padded dim")
+        mapping[in_dim] = out_dim
+        in_dim += 1
+        out_dim += 1
+    out = func(*args, **kwargs)
+    return mode.track(out, region.moved(mapping.__getitem__))
+
+
+# ---------------------------------------------------------------------- linear maps
+@_rule(F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+def _linear(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
+    region = mode.region(x)
+    if mode.region(w) is not None or region is None:
+        raise mode.unsupported(
+            func, "a padded tensor as the right operand (it would sum over padded positions)"
+        )
+    if (x.dim() - 1) in region.touched:
+        raise mode.unsupported(
+            func, "a linear map over a padded dim (mixes real and padded positions)"
+        )
+    out = func(*args, **kwargs)
+    if out.dim() != x.dim():
+        raise mode.unsupported(func, "a matmul that changes the rank")
+    return mode.rezero(out, region)
+
+
+# ---------------------------------------------------------------------- normalisation
+@_rule(F.batch_norm)
+def _batch_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"],
+        {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+    )
+    if b["training"]:
+        raise mode.unsupported(func, "BatchNorm with batch statistics")
+    region = mode.region(b["input"])
+    if 1 in region.touched:
+        raise mode.unsupported(func, "padding along the channel dim")
+    return mode.rezero(func(*args, **kwargs), region)
+
+
+@_rule(F.group_norm)
+def _group_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        ["input", "num_groups", "weight", "bias", "eps"],
+        {"weight": None, "bias": None, "eps": 1e-5},
+    )
+    x = b["input"]
+    region = mode.region(x)
+    if 1 in region.touched or 0 in region.touched:
+        raise mode.unsupported(func, "padding along the batch or channel dim")
+    g = b["num_groups"]
+    n1, c = x.shape[0], x.shape[1]
+    xg = x.reshape(n1, g, c // g, *x.shape[2:])
+    greg = region.moved(lambda d: d + 1)
+    dims = tuple(range(2, xg.dim()))
+    normed = _masked_normalise(mode, xg, greg, dims, b["eps"])
+    out = normed.reshape(x.shape)
+    shape = [1, c] + [1] * (x.dim() - 2)
+    if b["weight"] is not None:
+        out = out * b["weight"].reshape(shape)
+    if b["bias"] is not None:
+        out = out + b["bias"].reshape(shape)
+    return mode.rezero(out, region)
+
+
+@_rule(F.layer_norm)
+def _layer_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        ["input", "normalized_shape", "weight", "bias", "eps"],
+        {"weight": None, "bias": None, "eps": 1e-5},
+    )
+    x = b["input"]
+    region = mode.region(x)
+    k = len(_ntuple(b["normalized_shape"], 1))
+    dims = tuple(range(x.dim() - k, x.dim()))
+    if not set(dims) & set(region.dims):
+        return mode.rezero(
+            func(*args, **kwargs), region
+        )  # per position: elementwise for the region
+    out = _masked_normalise(mode, x, region, dims, b["eps"])
+    if b["weight"] is not None:
+        out = out * b["weight"]
+    if b["bias"] is not None:
+        out = out + b["bias"]
+    return mode.rezero(out, region)
+
+
+@_rule(F.instance_norm)
+def _instance_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        [
+            "input",
+            "running_mean",
+            "running_var",
+            "weight",
+            "bias",
+            "use_input_stats",
+            "momentum",
+            "eps",
+        ],
+        {
+            "running_mean": None,
+            "running_var": None,
+            "weight": None,
+            "bias": None,
+            "use_input_stats": True,
+            "momentum": 0.1,
+            "eps": 1e-5,
+        },
+    )
+    x = b["input"]
+    region = mode.region(x)
+    if 1 in region.touched or 0 in region.touched:
+        raise mode.unsupported(func, "padding along the batch or channel dim")
+    if not b["use_input_stats"]:
+        return mode.rezero(func(*args, **kwargs), region)
+    if b["running_mean"] is not None:
+        raise mode.unsupported(func, "InstanceNorm updating running statistics in train mode")
+    dims = tuple(range(2, x.dim()))
+    out = _masked_normalise(mode, x, region, dims, b["eps"])
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    if b["weight"] is not None:
+        out = out * b["weight"].reshape(shape)
+    if b["bias"] is not None:
+        out = out + b["bias"].reshape(shape)
+    return mode.rezero(out, region)
+
+
+def _masked_normalise(
+    mode: MaskedMode, x: Tensor, region: Region, dims: tuple[int, ...], eps: float
+) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with mean and (biased) variance over the real elements
+    along ``dims``."""
+    full = region.full_table(x.shape).to(x.dtype)
+    count = full.sum(dim=tuple(1 + d for d in dims), keepdim=True).clamp(min=1)
+    count = count.index_select(0, mode._index.to(count.device))[0]
+    m = mode.mask(region, x.dim()).to(x.dtype)
+    xm = x * m
+    mean = xm.sum(dim=dims, keepdim=True) / count
+    centred = (x - mean) * m
+    var = (centred * centred).sum(dim=dims, keepdim=True) / count
+    return centred * torch.rsqrt(var + eps)
+
+
+# ---------------------------------------------------------------------- attention
+@_rule(F.scaled_dot_product_attention)
+def _sdpa(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    b = _bind(
+        args,
+        kwargs,
+        names,
+        {
+            "attn_mask": None,
+            "dropout_p": 0.0,
+            "is_causal": False,
+            "scale": None,
+            "enable_gqa": False,
+        },
+    )
+    q, k, v = b["query"], b["key"], b["value"]
+    rk = mode.region(k)
+    if rk is not None:
+        rv = mode.region(v)
+        if rv is None or not rk.same_as(rv):
+            raise mode.unsupported(func, "key and value with different padding")
+        if set(rk.touched) != {k.dim() - 2}:
+            raise mode.unsupported(func, "padding of key/value outside the token dim")
+        keep = mode.mask(rk, k.dim())  # (..., S, 1)
+        key_mask = keep.transpose(-1, -2)  # (..., 1, S)
+        am = b["attn_mask"]
+        if am is None:
+            b["attn_mask"] = key_mask
+        elif am.dtype == torch.bool:
+            b["attn_mask"] = am & key_mask
+        else:
+            b["attn_mask"] = am.masked_fill(~key_mask, -math.inf)
+    elif mode.region(v) is not None:
+        raise mode.unsupported(func, "padded value with unpadded key")
+    out = func(**{n: b[n] for n in names if n in b and not (n == "enable_gqa" and not b[n])})
+    rq = mode.region(q)
+    if rq is None:
+        return out
+    if set(rq.touched) != {q.dim() - 2}:
+        raise mode.unsupported(func, "padding of the query outside the token dim")
+    return mode.rezero(out, rq)
+
+
+# ---------------------------------------------------------------------- catalogue
+def _catalogue() -> list[str]:
+    names = sorted({_op_name(f) for f in _RULES})
+    return names
+
+
+#: Names of the ops with an exact rule (for the docs and error messages).
+SUPPORTED_OPS: tuple[str, ...] = tuple(_catalogue())
+
+
+# ---------------------------------------------------------------------- running a model padded
+class PaddedFunction:
+    """A per-sample function on the *padded* levels of a :class:`PackedBatch`.
+
+    ``f(values, *padded_levels, sample_index) -> (O_pad,)``: the model runs on sample
+    ``sample_index``'s padded levels ``(C_l, *max_spatial_l)`` under :class:`MaskedMode`, so the
+    real entries of the output equal the unpadded run's, in the same order, and the rest are
+    zero. After a call, :attr:`output_table` ``(N, O_pad)`` says which entries are real for every
+    sample of the batch (it is concrete, also when the call ran under ``vmap``).
+    """
+
+    def __init__(self, fn: Any, packed: Any) -> None:
+        self.fn = fn
+        self.packed = packed
+        self.level_regions = [
+            None if t.dim() == 2 else Region.box(sizes, t.shape[2:], range(2, t.dim()))
+            for sizes, t in zip(packed.sizes, packed.levels)
+        ]
+        self.output_table: Tensor | None = None
+
+    def __call__(self, values: tuple[Tensor, ...], *args: Tensor) -> Tensor:
+        *levels, index = args
+        mode = MaskedMode(index, self.fn.model)
+
+        def enter(stack: Any, batched: list[Tensor]) -> None:
+            stack.enter_context(mode)
+            for t, region in zip(batched, self.level_regions):
+                mode.track(t, region)
+
+        out = self.fn.call(self.fn.full_params(values), tuple(levels), around=enter)
+        region = mode.region(out)
+        n = self.packed.num_samples
+        if region is None:
+            self.output_table = torch.ones((n, out.numel()), dtype=torch.bool, device=out.device)
+        else:
+            self.output_table = region.full_table(out.shape)
+        return out
