@@ -255,16 +255,17 @@ def _tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
 
 
 def _op_name(func: Any) -> str:
+    """How users write the op: ``F.conv2d``-style, ``torch.cat``-style or ``Tensor.view``."""
     name = getattr(func, "__name__", None) or repr(func)
     qual = getattr(func, "__qualname__", "") or ""
-    module = getattr(func, "__module__", "") or ""
-    if "boolean_dispatch" in qual:
+    if getattr(F, name, None) is func or "boolean_dispatch" in qual:
         return f"F.{name}"
-    if qual.startswith(("TensorBase.", "Tensor.")):
+    if qual.startswith(("TensorBase.", "Tensor.")) or getattr(torch.Tensor, name, None) is func:
         return f"Tensor.{name}"
-    if module.startswith("torch.nn.functional"):
-        return f"F.{name}"
-    return f"torch.{name}"
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
+    module = getattr(func, "__module__", "") or ""
+    return f"F.{name}" if module.startswith("torch.nn.functional") else f"torch.{name}"
 
 
 def _bind(
@@ -1201,6 +1202,7 @@ def _group_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
         raise mode.unsupported(func, "padding along the batch or channel dim")
     g = b["num_groups"]
     n1, c = x.shape[0], x.shape[1]
+    _require_more_than_one(region, x, c // g, func)
     xg = x.reshape(n1, g, c // g, *x.shape[2:])
     greg = region.moved(lambda d: d + 1)
     dims = tuple(range(2, xg.dim()))
@@ -1272,6 +1274,7 @@ def _instance_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Te
     if b["running_mean"] is not None:
         raise mode.unsupported(func, "InstanceNorm updating running statistics in train mode")
     dims = tuple(range(2, x.dim()))
+    _require_more_than_one(region, x, 1, func)
     out = _masked_normalise(mode, x, region, dims, b["eps"])
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     if b["weight"] is not None:
@@ -1279,6 +1282,17 @@ def _instance_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Te
     if b["bias"] is not None:
         out = out + b["bias"].reshape(shape)
     return mode.rezero(out, region)
+
+
+def _require_more_than_one(region: Region, x: Tensor, per_position: int, func: Any) -> None:
+    """Instance/group norm of a single value raises in PyTorch; so must the padded run."""
+    count = region.full_table(x.shape)[:, 0, 0].flatten(1).sum(1) * per_position
+    if bool((count <= 1).any()):
+        i = int((count <= 1).nonzero()[0, 0])
+        raise ValueError(
+            f"padded execution: {_op_name(func)}: sample {i} normalises a single value; PyTorch "
+            "expects more than 1 value per group (the unpadded model fails too)"
+        )
 
 
 def _masked_normalise(

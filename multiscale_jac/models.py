@@ -41,7 +41,11 @@ class TinyFPN(nn.Module):
     """A small FPN/RetinaNet-style network over a list of backbone feature maps.
 
     * lateral 1x1 convs on every input level ``C_l`` (channels ``in_channels[l]``);
-    * top-down pathway: nearest upsampling (to the lateral's size) of the coarser level, added;
+    * top-down pathway: nearest upsampling of the coarser level, added to the lateral. With
+      ``upsample="size"`` (torchvision's choice) it is resized to the lateral's size, which works
+      for any level sizes; with ``upsample="scale"`` it is upsampled by 2, which needs every
+      level to be exactly half the one before (images padded to a multiple of the largest
+      stride, as detection pipelines do) and is what masked (padded) execution can run exactly;
     * bottom-up strided 3x3 convs from the coarsest input that add ``extra_levels`` levels;
     * one shared head (3x3 conv, ReLU, 3x3 conv to ``num_outputs`` channels) applied to every
       pyramid level; per-level outputs ``(B, num_outputs * H * W)`` are concatenated.
@@ -56,8 +60,12 @@ class TinyFPN(nn.Module):
         width: int = 16,
         num_outputs: int = 4,
         extra_levels: int = 1,
+        upsample: str = "size",
     ) -> None:
         super().__init__()
+        if upsample not in ("size", "scale"):
+            raise ValueError(f"upsample must be 'size' or 'scale'; got {upsample!r}")
+        self.upsample = upsample
         self.lateral = nn.ModuleList(nn.Conv2d(c, width, 1) for c in in_channels)
         self.extra = nn.ModuleList(
             nn.Conv2d(in_channels[-1] if k == 0 else width, width, 3, stride=2, padding=1)
@@ -73,7 +81,10 @@ class TinyFPN(nn.Module):
         laterals = [conv(x) for conv, x in zip(self.lateral, feats)]
         pyramid = [laterals[-1]]
         for lat in reversed(laterals[:-1]):
-            up = F.interpolate(pyramid[0], size=lat.shape[-2:], mode="nearest")
+            if self.upsample == "size":
+                up = F.interpolate(pyramid[0], size=lat.shape[-2:], mode="nearest")
+            else:
+                up = F.interpolate(pyramid[0], scale_factor=2, mode="nearest")
             pyramid.insert(0, lat + up)
         x = feats[-1]
         for k, conv in enumerate(self.extra):

@@ -149,6 +149,8 @@ class Case:
     ragged: bool = False
     ragged_outputs: bool = False
     output_fn: Callable[[Any], Any] | None = None
+    #: regex of the UnsupportedOpError that makes strategy='padded' fall back, if any
+    padded_unsupported: str | None = None
 
     def build(self) -> nn.Module:
         torch.manual_seed(sum(map(ord, self.id)))
@@ -161,6 +163,10 @@ def _seed_convblock() -> nn.Module:
 
 def _fpn() -> nn.Module:
     return TinyFPN((3, 4), width=3, num_outputs=2, extra_levels=1)
+
+
+def _fpn_scale() -> nn.Module:
+    return TinyFPN((3, 4), width=3, num_outputs=2, extra_levels=1, upsample="scale")
 
 
 def _bn_cnn() -> nn.Module:
@@ -187,12 +193,31 @@ CASES: list[Case] = [
         ragged=True,
         ragged_outputs=True,
         output_fn=lambda y: y.sum(dim=1),  # the seed's "operation to reduce the outputs"
+        padded_unsupported="Tensor.sum: a reduction over part of a flattened padded group",
     ),
     Case(
         "fpn_ragged",
         _fpn,
         lambda: ragged_samples(
             [[(4, 4), (2, 2)], [(3, 5), (2, 3)], [(4, 4), (2, 2)], [(1, 1), (1, 1)]], [3, 4]
+        ),
+        glob="head.*",
+        ragged=True,
+        ragged_outputs=True,
+        padded_unsupported="F.interpolate.*size=",
+    ),
+    Case(
+        "fpn_scale_ragged",
+        _fpn_scale,
+        lambda: ragged_samples(
+            [
+                [(4, 4), (2, 2)],
+                [(6, 2), (3, 1)],
+                [(4, 4), (2, 2)],
+                [(2, 2), (1, 1)],
+                [(2, 6), (1, 3)],
+            ],
+            [3, 4],
         ),
         glob="head.*",
         ragged=True,

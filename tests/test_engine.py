@@ -13,6 +13,7 @@ from conftest import CASE_BY_ID, zoo_model, zoo_reference
 from torch import nn
 
 import multiscale_jac as mj
+from multiscale_jac.masked import UnsupportedOpError
 from multiscale_jac.models import ConvBlock, TinyFPN
 from multiscale_jac.reference import per_sample_jacobian_loop
 
@@ -33,7 +34,7 @@ def _combos() -> list:
     out = []
     for case_id in CASE_IDS:
         for kind in SUBSET_KINDS:
-            for strategy in ("auto", "vmap", "bucketed"):
+            for strategy in ("auto", "vmap", "bucketed", "padded"):
                 for mode in ("rev", "fwd", "auto"):
                     out.append(
                         pytest.param(
@@ -55,6 +56,13 @@ def test_matches_loop_reference(case_id: str, strategy: str, mode: str, subset_k
             res = mj.per_sample_jacobian(model, case.inputs(), **kwargs)
         assert res.strategy == "bucketed"
         assert "one shape signature" in res.fallback
+    elif strategy == "padded" and case.padded_unsupported:
+        with pytest.warns(mj.FallbackWarning, match=case.padded_unsupported):
+            res = mj.per_sample_jacobian(model, case.inputs(), **kwargs)
+        assert res.strategy == "bucketed"
+        assert "strategy 'padded' cannot run this model" in res.fallback
+        with pytest.raises(UnsupportedOpError, match=case.padded_unsupported):
+            mj.per_sample_jacobian(model, case.inputs(), strict=True, **kwargs)
     else:
         res = mj.per_sample_jacobian(model, case.inputs(), **kwargs)
         expected = {"auto": "bucketed" if case.ragged else "vmap"}.get(strategy, strategy)
@@ -258,7 +266,9 @@ def test_vmap_failure_falls_back_to_loop_and_is_recorded() -> None:
     assert res.strategy == "loop" and res.requested_strategy == "auto"
     assert "failed" in res.fallback
     assert_same(res, ref)
-    with pytest.raises(RuntimeError, match="strategy .vmap. failed .* strict=True forbids running .loop."):
+    with pytest.raises(
+        RuntimeError, match=r"strategy .vmap. failed .* strict=True forbids running .loop."
+    ):
         mj.per_sample_jacobian(model, x, strict=True)
 
 
