@@ -41,6 +41,8 @@ class PerSampleFunction:
         kind: How the model takes its input (:class:`~multiscale_jac.enums.InputKind`).
         output_fn: Optional callable applied to the model's output (batch dim of one kept).
         eval_batch_norm: Run train-mode BatchNorm layers with their running statistics.
+        tokens: Give the model every level as tokens ``(1, positions, C_l)`` instead of
+            ``(1, C_l, *spatial)`` (inputs packed with ``layout="nested"``).
 
     ``values`` is a tuple with one tensor per selected parameter tensor, in ``subset.names``
     order, shaped ``subset.selected_shape(name)``. ``levels`` are the sample's levels
@@ -55,11 +57,13 @@ class PerSampleFunction:
         output_fn: Callable[[Any], Any] | None = None,
         *,
         eval_batch_norm: bool = False,
+        tokens: bool = False,
     ) -> None:
         params = subset.check_model(model)
         self.model = model
         self.subset = subset
         self.kind = InputKind(kind)
+        self.tokens = tokens
         self.output_fn = output_fn
         self.eval_batch_norm = eval_batch_norm
         self._base = {n: p.detach() for n, p in params.items()}
@@ -129,11 +133,13 @@ class PerSampleFunction:
                 (masked execution uses this to track the levels).
         """
         batched = [lvl.unsqueeze(0) for lvl in levels]
-        arg: Any = batched[0] if self.kind is InputKind.TENSOR else batched
         params = dict(params)
         with contextlib.ExitStack() as stack:
             if around is not None:
                 around(stack, batched)
+            if self.tokens:  # (1, C, *spatial) -> (1, positions, C), row-major positions
+                batched = [b.flatten(2).transpose(1, 2) for b in batched]
+            arg: Any = batched[0] if self.kind is InputKind.TENSOR else batched
             if self.eval_batch_norm:
                 params.update((n, b.clone()) for n, b in self._bn_counters.items())
                 stack.enter_context(_EvalBatchNormMode())

@@ -39,9 +39,9 @@ from ._checks import (
     check_output_fn,
     check_train_mode_layers,
 )
-from ._planning import Footprint, Plan, choose_strategy, measure, minimum_bytes, plan_chunks
+from ._planning import Footprint, Plan, estimate_seconds, measure, minimum_bytes, plan_chunks
 from .adapter import PerSampleFunction
-from .enums import BatchNormPolicy, FallbackWarning, Mode, Randomness, Strategy, parse_enum
+from .enums import BatchNormPolicy, FallbackWarning, Layout, Mode, Randomness, Strategy, parse_enum
 from .masked import PaddedFunction, UnsupportedOpError
 from .packing import PackedBatch, pack
 from .reference import loop_jacobian
@@ -100,10 +100,17 @@ def per_sample_jacobian(
     chunk_size = check_chunk_size(chunk_size)
     memory_budget = check_memory_budget(memory_budget)
     strict = check_bool(strict, "strict")
-    packed = pack(inputs)
+    packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
     subset = resolve_subset(params, model)
     eval_bn = check_train_mode_layers(model, batch_norm, randomness)
-    fn = PerSampleFunction(model, subset, packed.kind, output_fn, eval_batch_norm=eval_bn)
+    fn = PerSampleFunction(
+        model,
+        subset,
+        packed.kind,
+        output_fn,
+        eval_batch_norm=eval_bn,
+        tokens=packed.layout is Layout.NESTED,
+    )
     for name, v in zip(subset.names, fn.values()):
         if not v.is_floating_point():
             raise TypeError(
@@ -135,24 +142,28 @@ def _jacobian_impl(
     record = {"requested_strategy": strategy, "requested_mode": mode, "subset": fn.subset}
     fallbacks: list[str] = []
 
-    def fall_back(why: str, to: Strategy, err: Exception | None = None) -> Strategy:
+    def fall_back(why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
+        instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
         if strict:
             if isinstance(err, UnsupportedOpError):
                 raise err
             if err is not None:
-                raise RuntimeError(
-                    f"{why}; strict=True forbids running {to.value!r} instead"
-                ) from err
-            raise ValueError(f"{why}; strict=True forbids running {to.value!r} instead")
-        msg = f"{why}; ran {to.value!r}"
+                raise RuntimeError(f"{why}; strict=True forbids running {instead} instead") from err
+            raise ValueError(f"{why}; strict=True forbids running {instead} instead")
+        msg = f"{why}; ran {instead}"
         _warn(msg)
         fallbacks.append(msg)
         return to
 
     num_buckets = len(packed.buckets())
     ran = strategy
+    plan: _VectorPlan | None = None
+    notes: list[str] = []
     if strategy is Strategy.AUTO:
-        ran = Strategy.VMAP if num_buckets == 1 else choose_strategy(packed)
+        if num_buckets == 1:
+            ran = Strategy.VMAP
+        else:
+            ran, plan = _choose(fn, packed, mode, chunk_size, memory_budget, randomness, notes)
     elif strategy is Strategy.VMAP and num_buckets > 1:
         ran = fall_back(
             f"strategy='vmap' needs one shape signature but the batch has {num_buckets}",
@@ -163,7 +174,8 @@ def _jacobian_impl(
         # planning runs plain forward passes: a model that fails there fails in the loop too,
         # except for ops the padded strategy has no rule for
         try:
-            plan = _plan(fn, packed, ran, mode, chunk_size, memory_budget, randomness)
+            if plan is None or plan.strategy is not ran:
+                plan = _plan(fn, packed, ran, mode, chunk_size, memory_budget, randomness)
         except UnsupportedOpError as err:
             ran = fall_back(
                 f"strategy 'padded' cannot run this model ({err})", Strategy.BUCKETED, err
@@ -179,6 +191,16 @@ def _jacobian_impl(
                     "while randomness='error'; put the model in eval mode or pass "
                     "randomness='different' or 'same'"
                 ) from err
+            if plan.mode is Mode.FWD and "forward AD" in str(err):
+                # an op without a forward-mode derivative (e.g. SDPA's fused CPU kernel)
+                why = f"mode 'fwd' failed ({_first_line(err)})"
+                if record["requested_mode"] is Mode.AUTO:
+                    notes.append(f"auto: {why}; chose mode 'rev'")
+                    mode = Mode.REV
+                else:
+                    mode = fall_back(why, Mode.REV, err)
+                plan = None
+                continue
             ran = fall_back(
                 f"strategy {ran.value!r} failed ({type(err).__name__}: {_first_line(err)})",
                 Strategy.LOOP,
@@ -194,6 +216,7 @@ def _jacobian_impl(
             chunk_size=max(g.chunks.samples for g in plan.groups),
             inner_chunk_size=_min_or_none(g.chunks.inner for g in plan.groups),
             fallback="; then ".join(fallbacks) or None,
+            notes=tuple(notes),
             **record,
         )
     jac, mask, sizes = loop_jacobian(fn, packed)
@@ -204,7 +227,54 @@ def _jacobian_impl(
         strategy=Strategy.LOOP,
         mode=Mode.REV,
         fallback="; then ".join(fallbacks) or None,
+        notes=tuple(notes),
         **record,
+    )
+
+
+def _choose(
+    fn: PerSampleFunction,
+    packed: PackedBatch,
+    mode: Mode,
+    chunk_size: int | None,
+    memory_budget: int | None,
+    randomness: Randomness,
+    notes: list[str],
+) -> tuple[Strategy, _VectorPlan]:
+    """``auto`` on a batch with several shape signatures: plan ``bucketed`` and ``padded`` and
+    keep the one the cost model (``_planning.estimate_seconds``) expects to be faster. A model
+    that padded execution cannot run is a choice, not a fallback: it is noted, not warned."""
+    bucketed = _plan(fn, packed, Strategy.BUCKETED, mode, chunk_size, memory_budget, randomness)
+    try:
+        padded = _plan(fn, packed, Strategy.PADDED, mode, chunk_size, memory_budget, randomness)
+    except UnsupportedOpError as err:
+        notes.append(f"auto: 'padded' not possible ({err}); chose 'bucketed'")
+        return Strategy.BUCKETED, bucketed
+    costs = {p.strategy: _cost(p) for p in (bucketed, padded)}
+    best = min(costs, key=costs.__getitem__)
+    notes.append(
+        "auto: estimated "
+        + ", ".join(f"{k.value} {v * 1e3:.1f} ms" for k, v in costs.items())
+        + f"; chose {best.value!r}"
+    )
+    return best, bucketed if best is Strategy.BUCKETED else padded
+
+
+def _cost(plan: _VectorPlan) -> float:
+    return estimate_seconds(
+        [
+            (
+                len(g.indices),
+                g.chunks.samples,
+                g.footprint,
+                len(plan.spans) if plan.mode is Mode.FWD else 1,
+            )
+            for g in plan.groups
+        ],
+        mode=plan.mode,
+        numel=plan.numel,
+        padded=plan.strategy is Strategy.PADDED,
+        device=plan.device,
     )
 
 
@@ -221,16 +291,20 @@ class _Group:
     levels: Callable[[list[int]], list[Tensor]]
     outputs: int
     chunks: Plan
+    footprint: Footprint
     table: Tensor | None = None
 
 
 @dataclass(frozen=True)
 class _VectorPlan:
+    strategy: Strategy
     mode: Mode
     groups: list[_Group]
     spans: list[tuple[int, int]]  # column spans with their own forward pass (fwd)
     sizes: tuple[int, ...]  # O of every sample
     num_samples: int
+    numel: int
+    device: torch.device
 
 
 def _plan(
@@ -308,6 +382,7 @@ def _plan(
             fn=gfn,
             levels=levels,
             outputs=fp.outputs,
+            footprint=fp,
             table=table,
             chunks=plan_chunks(
                 fp,
@@ -323,7 +398,7 @@ def _plan(
         )
         for idx, gfn, levels, fp, table in raw
     ]
-    return _VectorPlan(mode, groups, spans, tuple(sizes), n)
+    return _VectorPlan(strategy, mode, groups, spans, tuple(sizes), n, numel, values[0].device)
 
 
 def _run(

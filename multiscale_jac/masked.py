@@ -1152,6 +1152,34 @@ def _getitem(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.track(out, region.moved(mapping.__getitem__))
 
 
+@_rule(
+    torch.chunk,
+    torch.Tensor.chunk,
+    torch.split,
+    torch.Tensor.split,
+    torch.unbind,
+    torch.Tensor.unbind,
+)
+def _split(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, ...]:
+    x = args[0] if args else kwargs["input"]
+    if func in (torch.unbind, torch.Tensor.unbind):
+        dim = _bind(args, kwargs, ["input", "dim"], {"dim": 0})["dim"]
+    elif func in (torch.chunk, torch.Tensor.chunk):
+        dim = _bind(args, kwargs, ["input", "chunks", "dim"], {"dim": 0})["dim"]
+    else:
+        dim = _bind(args, kwargs, ["input", "split_size_or_sections", "dim"], {"dim": 0})["dim"]
+    dim %= x.dim()
+    region = mode.region(x)
+    if dim in region.touched:
+        raise mode.unsupported(func, "splitting along a padded dim")
+    outs = func(*args, **kwargs)
+    drop = func in (torch.unbind, torch.Tensor.unbind)
+    moved = region.moved(lambda d: d - 1 if drop and d > dim else d)
+    for o in outs:
+        mode.track(o, moved)
+    return outs
+
+
 # ---------------------------------------------------------------------- linear maps
 @_rule(F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 def _linear(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
@@ -1169,6 +1197,80 @@ def _linear(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     if out.dim() != x.dim():
         raise mode.unsupported(func, "a matmul that changes the rank")
     return mode.rezero(out, region)
+
+
+@_rule(torch.einsum)
+def _einsum(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """Sums of products: padded zeros add nothing to a contraction, so an einsum is exact when
+    every padded dim of every operand is either kept in the output or summed over as a whole,
+    and unpadded operands do not weight padded dims position by position."""
+    equation = args[0]
+    operands = (
+        list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    )
+    if not isinstance(equation, str) or "->" not in equation:
+        raise mode.unsupported(func, "an einsum without an explicit '->' output")
+    lhs, rhs = equation.replace(" ", "").split("->")
+    raw = lhs.split(",")
+    ells = [op.dim() - len(sp.replace("...", "")) for sp, op in zip(raw, operands)]
+    max_ell = max((e for sp, e in zip(raw, ells) if "..." in sp), default=0)
+    specs = [_expand_ellipsis(sp, e, max_ell) for sp, e in zip(raw, ells)]
+    out_spec = _expand_ellipsis(rhs, max_ell, max_ell)
+    kept: dict[str, tuple[Region, str]] = {}
+    tables = []
+    for spec, op in zip(specs, operands):
+        r = mode.region(op)
+        if r is None:
+            continue
+        letters = "".join(spec[d] for d in r.touched)
+        inside = [c in out_spec for c in letters]
+        if any(inside) and not all(inside):
+            raise mode.unsupported(
+                func, "an einsum that sums over part of the padded dims of an operand"
+            )
+        for c in letters:
+            if c in kept and not kept[c][0].same_as(r):
+                raise mode.unsupported(func, "operands with different padding along a shared index")
+            kept[c] = (r, letters)
+        if all(inside):
+            tables.append((r, spec))
+    padded_letters = set(kept)
+    for spec, op in zip(specs, operands):
+        if mode.region(op) is None and any(
+            c in padded_letters and op.shape[k] > 1 for k, c in enumerate(spec)
+        ):
+            raise mode.unsupported(
+                func, "an unpadded operand weighting padded positions one by one"
+            )
+    out = func(*args, **kwargs)
+    if not tables:
+        return out
+    n = tables[0][0].table.shape[0]
+    full = torch.ones((n, *out.shape), dtype=torch.bool, device=out.device)
+    seen: set[int] = set()
+    for r, spec in tables:
+        if id(r) in seen:
+            continue
+        seen.add(id(r))
+        view = [n] + [1] * out.dim()
+        src = r.table
+        perm = sorted(range(len(r.dims)), key=lambda k: out_spec.index(spec[r.dims[k]]))
+        src = src.permute(0, *(1 + k for k in perm))
+        for k in perm:
+            view[1 + out_spec.index(spec[r.dims[k]])] = r.table.shape[1 + k]
+        full = full & src.reshape(view)
+    group = None
+    for r, spec in tables:
+        if r.ordered:
+            group = tuple(sorted({out_spec.index(spec[d]) for d in r.group} | set(group or ())))
+    return mode.rezero(out, Region(tuple(range(out.dim())), full, None, group))
+
+
+def _expand_ellipsis(spec: str, n_ell: int, max_ell: int) -> str:
+    """Replace ``...`` by ``n_ell`` upper-case letters, right-aligned among ``max_ell``."""
+    if "..." not in spec:
+        return spec
+    return spec.replace("...", "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[max_ell - n_ell : max_ell])
 
 
 # ---------------------------------------------------------------------- normalisation

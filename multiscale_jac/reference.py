@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ._checks import check_model, check_output_fn, check_train_mode_layers
 from .adapter import PerSampleFunction
-from .enums import BatchNormPolicy, Mode, Randomness, Strategy, parse_enum
+from .enums import BatchNormPolicy, Layout, Mode, Randomness, Strategy, parse_enum
 from .packing import PackedBatch, pack
 from .result import JacobianResult, output_mask_from_sizes
 from .subset import ParamSubset, resolve_subset
@@ -45,10 +45,17 @@ def per_sample_jacobian_loop(
     output_fn = check_output_fn(output_fn)
     batch_norm = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
     randomness = parse_enum(Randomness, randomness, "randomness")
-    packed = pack(inputs)
+    packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
     subset = resolve_subset(params, model)
     eval_bn = check_train_mode_layers(model, batch_norm, randomness)
-    fn = PerSampleFunction(model, subset, packed.kind, output_fn, eval_batch_norm=eval_bn)
+    fn = PerSampleFunction(
+        model,
+        subset,
+        packed.kind,
+        output_fn,
+        eval_batch_norm=eval_bn,
+        tokens=packed.layout is Layout.NESTED,
+    )
     jac, mask, sizes = loop_jacobian(fn, packed)
     return JacobianResult(
         jacobian=jac,

@@ -33,6 +33,7 @@ class JacobianResult:
         inner_chunk_size: Output rows (rev) or tangents (fwd) per vectorised step, ``None`` when
             all at once.
         fallback: Why the engine ran another strategy than requested, else ``None``.
+        notes: How ``auto`` decided (estimated costs, strategies it ruled out and why).
     """
 
     jacobian: Tensor
@@ -46,6 +47,7 @@ class JacobianResult:
     chunk_size: int | None = None
     inner_chunk_size: int | None = None
     fallback: str | None = field(default=None)
+    notes: tuple[str, ...] = ()
 
     @property
     def num_samples(self) -> int:

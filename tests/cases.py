@@ -112,6 +112,33 @@ class TiedLinear(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+class TinyTransformer(nn.Module):
+    """Pre-norm transformer block over tokens ``(B, T, C)`` (inputs packed with
+    ``layout="nested"``), then a per-token head and a masked-mean classifier."""
+
+    def __init__(self, c_in: int = 3, d: int = 4, heads: int = 2, classes: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Linear(c_in, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.token_head = nn.Linear(d, 1)
+        self.cls = nn.Linear(d, classes)
+
+    def forward(self, levels: Sequence[Tensor]) -> dict[str, Tensor]:
+        x = self.embed(levels[0])
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(att)
+        x = x + self.mlp(self.ln2(x))
+        return {"tokens": self.token_head(x).squeeze(-1), "class": self.cls(x.mean(dim=1))}
+
+
 # ---------------------------------------------------------------------- inputs
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -151,6 +178,8 @@ class Case:
     output_fn: Callable[[Any], Any] | None = None
     #: regex of the UnsupportedOpError that makes strategy='padded' fall back, if any
     padded_unsupported: str | None = None
+    #: the model has an op without a forward-mode derivative (mode='fwd' falls back to 'rev')
+    fwd_unsupported: bool = False
 
     def build(self) -> nn.Module:
         torch.manual_seed(sum(map(ord, self.id)))
@@ -250,6 +279,27 @@ CASES: list[Case] = [
         ragged=True,
     ),
     Case("tied_weights", TiedLinear, lambda: batched_tensor(3, (4,)), glob="*.weight"),
+    Case(
+        "transformer_tokens",
+        TinyTransformer,
+        lambda: mj.pack(
+            ragged_samples([[(6,)], [(4,)], [(6,)], [(1,)]], [3]),
+            layout="nested",
+        ),
+        glob="qkv.*",
+        ragged=True,
+        ragged_outputs=True,
+        fwd_unsupported=True,
+    ),
+    Case(
+        "transformer_tokens_2d",
+        TinyTransformer,
+        lambda: mj.pack(ragged_samples([[(2, 3)], [(3, 1)], [(2, 3)]], [3]), layout="nested"),
+        glob="mlp.*",
+        ragged=True,
+        ragged_outputs=True,
+        fwd_unsupported=True,
+    ),
 ]
 
 CASE_IDS = [c.id for c in CASES]

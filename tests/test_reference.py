@@ -17,8 +17,11 @@ def test_reference_matches_central_differences(case) -> None:
     """Each Jacobian column equals (f(theta + h e_j) - f(theta - h e_j)) / 2h per sample."""
     model = zoo_model(case.id)
     subset, ref = zoo_reference(case.id, "elements")
-    packed = mj.pack(case.inputs())
-    fn = PerSampleFunction(model, subset, packed.kind, case.output_fn)
+    inputs = case.inputs()
+    packed = inputs if isinstance(inputs, mj.PackedBatch) else mj.pack(inputs)
+    fn = PerSampleFunction(
+        model, subset, packed.kind, case.output_fn, tokens=packed.layout == "nested"
+    )
     values = fn.values()
     h = 1e-6
     flat = torch.cat([v.reshape(-1) for v in values])
