@@ -4,9 +4,11 @@ Layers (each its own module; data flows one way):
 
 1. packing   -- :func:`pack`, :class:`PackedBatch`
 2. adapter   -- :class:`PerSampleFunction` (unmodified model -> pure per-sample function)
-3. subset    -- :class:`ParamSubset` (which parameter entries are differentiated)
-4. engine    -- :func:`per_sample_jacobian`, :class:`JacobianResult`
-5. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
+3. masked    -- masked execution of padded levels (:class:`UnsupportedOpError`) and
+                :func:`map_levels` (one call of a shared head over all levels)
+4. subset    -- :class:`ParamSubset` (which parameter entries are differentiated)
+5. engine    -- :func:`per_sample_jacobian`, :class:`JacobianResult`
+6. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
 """
 
 from . import reference
@@ -21,6 +23,8 @@ from .enums import (
     Randomness,
     Strategy,
 )
+from .levels import map_levels
+from .masked import UnsupportedOpError
 from .packing import Bucket, PackedBatch, Signature, pack
 from .result import JacobianResult
 from .subset import ParamSubset
@@ -35,6 +39,9 @@ __all__ = [
     "pack",
     # adapter
     "PerSampleFunction",
+    # masked execution and level packing
+    "UnsupportedOpError",
+    "map_levels",
     # parameter subsets
     "ParamSubset",
     # engine

@@ -39,12 +39,14 @@ __all__ = ["MaskedMode", "Region", "UnsupportedOpError", "SUPPORTED_OPS"]
 class UnsupportedOpError(ValueError):
     """An op that has no exact rule on padded inputs (the engine falls back; see docs)."""
 
-    def __init__(self, op: str, module: str | None, reason: str) -> None:
+    def __init__(
+        self, op: str, module: str | None, reason: str, *, context: str = "padded execution"
+    ) -> None:
         self.op = op
         self.module = module
         self.reason = reason
         where = f" in module {module!r}" if module else ""
-        super().__init__(f"padded execution: {op}{where}: {reason}")
+        super().__init__(f"{context}: {op}{where}: {reason}")
 
 
 # ---------------------------------------------------------------------- regions

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ConvBlock", "TinyFPN"]
+__all__ = ["ConvBlock", "SharedHeadFPN", "TinyFPN"]
 
 
 class ConvBlock(nn.Module):
@@ -91,3 +91,37 @@ class TinyFPN(nn.Module):
             x = conv(x if k == 0 else F.relu(x))
             pyramid.append(x)
         return torch.cat([self.head(p).flatten(1) for p in pyramid], dim=1)
+
+
+class SharedHeadFPN(nn.Module):
+    """A RetinaNet/FCOS-style head shared by every pyramid level.
+
+    Lateral 1x1 convs bring every input level to ``width`` channels; one tower (``depth`` times
+    3x3 conv, GroupNorm, ReLU, then a 3x3 conv to ``num_outputs``) runs on every level through
+    :func:`multiscale_jac.map_levels` (``packing="canvas"``: one call on a canvas of all levels;
+    ``"loop"``: the usual list comprehension). Output: the per-level maps flattened and
+    concatenated, ``(B, num_outputs * sum_l H_l W_l)``.
+    """
+
+    def __init__(
+        self,
+        in_channels: Sequence[int] = (8, 8, 8),
+        width: int = 8,
+        num_outputs: int = 4,
+        depth: int = 2,
+        packing: str = "canvas",
+    ) -> None:
+        super().__init__()
+        self.packing = packing
+        self.lateral = nn.ModuleList(nn.Conv2d(c, width, 1) for c in in_channels)
+        tower: list[nn.Module] = []
+        for _ in range(depth):
+            tower += [nn.Conv2d(width, width, 3, padding=1), nn.GroupNorm(2, width), nn.ReLU()]
+        self.head = nn.Sequential(*tower, nn.Conv2d(width, num_outputs, 3, padding=1))
+
+    def forward(self, feats: Sequence[Tensor]) -> Tensor:
+        from .levels import map_levels
+
+        laterals = [conv(x) for conv, x in zip(self.lateral, feats)]
+        outs = map_levels(self.head, laterals, packing=self.packing)
+        return torch.cat([o.flatten(1) for o in outs], dim=1)

@@ -1,0 +1,549 @@
+"""Level packing for heads shared across pyramid levels: :func:`map_levels`.
+
+Detection heads apply one conv tower to every FPN level (``[head(x) for x in levels]``). That
+list comprehension calls every layer once per level. :func:`map_levels` instead lays the levels
+side by side on one **canvas** with zero gutters between them, runs the module once, and cuts the
+per-level outputs back out. A ``TorchFunctionMode`` (:class:`CanvasMode`) keeps this exact: after
+every op it re-zeroes everything outside the level boxes, maps the boxes through the op (a
+stride-2 conv halves them; the canvas offsets are multiples of the total stride so they stay
+aligned), checks that no window reaches from one level into another (the gutters are wide
+enough), fills gutters with ``-inf`` for max pooling, divides average pools per level, and
+normalises (GroupNorm/InstanceNorm) with statistics per level. An op it has no rule
+for, or a gutter that turns out too narrow, makes it fall back to the per-level loop, recorded in
+:func:`last_packing`.
+
+Padding every level to the largest and stacking them (the other obvious packing) does about
+``L / 1.33`` times the useful work on an FPN; the canvas wastes only its gutters and the corner
+left free by the shelf layout (``docs/padded.md`` has the measurements).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from .masked import (
+    _BINARY,
+    _SINGULAR,
+    _UNARY,
+    _ZERO_PRESERVING_INPLACE,
+    MaskedMode,
+    UnsupportedOpError,
+    _bind,
+    _ntuple,
+    _op_name,
+    _tensors,
+    _zero_preserving,
+)
+
+__all__ = ["CanvasMode", "last_packing", "map_levels"]
+
+Box = tuple[int, int, int, int]  # (y, x, h, w) on the canvas
+
+
+@dataclass
+class _Info:
+    packing: str
+    reason: str | None = None
+
+
+_LAST = _Info("none")
+
+
+def last_packing() -> tuple[str, str | None]:
+    """``(packing, reason)`` of the most recent :func:`map_levels` call in this process:
+    ``"canvas"`` or ``"loop"``, and why it fell back to the loop."""
+    return _LAST.packing, _LAST.reason
+
+
+def map_levels(
+    module: nn.Module | Callable[[Tensor], Tensor],
+    levels: Sequence[Tensor],
+    *,
+    packing: str = "canvas",
+    gutter: int | None = None,
+    strict: bool = False,
+) -> list[Tensor]:
+    """``[module(x) for x in levels]``, computed in one call on a canvas of all levels.
+
+    Args:
+        module: Applied to every level; spatial ops must be convs/pools/nearest upsampling
+            (any stride, padding, dilation, groups), elementwise ops, BatchNorm in eval mode,
+            GroupNorm, InstanceNorm, concatenation along channels.
+        levels: ``L`` tensors ``(B, C, H_l, W_l)`` (same B and C).
+        packing: ``"canvas"`` or ``"loop"`` (the plain list comprehension).
+        gutter: Zero columns/rows between levels; default from the module's convs and pools.
+        strict: Raise :class:`~multiscale_jac.masked.UnsupportedOpError` instead of falling
+            back to the loop.
+
+    Returns:
+        The per-level outputs, equal to ``[module(x) for x in levels]``.
+    """
+    global _LAST
+    if packing not in ("canvas", "loop"):
+        raise ValueError(f"unknown packing {packing!r}; expected 'canvas' or 'loop'")
+    levels = list(levels)
+    if not levels:
+        raise ValueError("map_levels got an empty list of levels")
+    for k, x in enumerate(levels):
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"level {k} must be a (B, C, H, W) tensor; got {shape}")
+        if x.shape[:2] != levels[0].shape[:2]:
+            raise ValueError(
+                f"level {k} has batch/channels {tuple(x.shape[:2])} but level 0 has "
+                f"{tuple(levels[0].shape[:2])}; all levels must share B and C"
+            )
+    if packing == "loop" or len(levels) == 1:
+        _LAST = _Info("loop", None if packing == "loop" else "one level")
+        return [module(x) for x in levels]
+    if any(isinstance(m, MaskedMode) for m in _get_current_function_mode_stack()):
+        # inside padded execution every level already carries its own mask
+        _LAST = _Info("loop", "inside padded (masked) execution")
+        return [module(x) for x in levels]
+    stride, reach = _geometry(module)
+    g = gutter if gutter is not None else max(reach * stride, 1)
+    boxes, height, width = _shelf([tuple(x.shape[2:]) for x in levels], g, stride)
+    canvas = _paint(levels, boxes, height, width)
+    mode = CanvasMode(module)
+    try:
+        with mode:
+            mode.track(canvas, boxes)
+            out = module(canvas)
+            out_boxes = mode.boxes(out)
+        if out_boxes is None or len(out_boxes) != len(levels):
+            raise UnsupportedOpError(
+                "output",
+                None,
+                "the module's output is not a spatial map with one box per level",
+                context="map_levels canvas",
+            )
+        result = [out[:, :, y : y + h, x : x + w] for y, x, h, w in out_boxes]
+    except UnsupportedOpError as err:
+        if strict:
+            raise
+        _LAST = _Info("loop", str(err))
+        return [module(x) for x in levels]
+    _LAST = _Info("canvas")
+    return result
+
+
+def _geometry(module: Any) -> tuple[int, int]:
+    """Total stride and the largest window reach (in input pixels) of the module's convs and
+    pools, in registration order: what the canvas offsets and gutters must accommodate."""
+    stride, reach = 1, 0
+    mods = module.modules() if isinstance(module, nn.Module) else []
+    for m in mods:
+        if isinstance(m, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
+            k = _ntuple(m.kernel_size, 2)
+            d = _ntuple(getattr(m, "dilation", 1), 2)
+            p = m.padding if isinstance(m.padding, str) else _ntuple(m.padding, 2)
+            s = _ntuple(m.stride if m.stride is not None else k, 2)
+            if isinstance(p, str):
+                p = tuple(dd * (kk - 1) // 2 for dd, kk in zip(d, k))
+            r = max(max(pp, dd * (kk - 1) - pp + ss - 1) for pp, dd, kk, ss in zip(p, d, k, s))
+            reach = max(reach, r * stride)
+            stride *= max(s)
+        elif isinstance(m, nn.Upsample):
+            pass
+    return stride, reach
+
+
+def _shelf(sizes: list[tuple[int, int]], gutter: int, stride: int) -> tuple[list[Box], int, int]:
+    """Shelf layout: the largest level at the top left, the others stacked in columns to its
+    right; offsets rounded up to multiples of ``stride``."""
+
+    def up(v: int) -> int:
+        return -(-v // stride) * stride
+
+    order = sorted(range(len(sizes)), key=lambda k: -sizes[k][0] * sizes[k][1])
+    boxes: list[Box] = [(0, 0, 0, 0)] * len(sizes)
+    h0, w0 = sizes[order[0]]
+    boxes[order[0]] = (0, 0, h0, w0)
+    col_x = up(w0 + gutter)
+    y = 0
+    col_w = 0
+    height = h0
+    for k in order[1:]:
+        h, w = sizes[k]
+        if y > 0 and y + h > max(height, h0):
+            col_x = up(col_x + col_w + gutter)
+            y, col_w = 0, 0
+        boxes[k] = (y, col_x, h, w)
+        height = max(height, y + h)
+        col_w = max(col_w, w)
+        y = up(y + h + gutter)
+    width = col_x + col_w
+    return boxes, up(height), up(width)
+
+
+def _paint(levels: list[Tensor], boxes: list[Box], height: int, width: int) -> Tensor:
+    """The canvas ``(B, C, height, width)``: zeros with every level pasted at its box."""
+    # built from pads and sums so that it stays differentiable and vmap-friendly
+    canvas = None
+    for x, (y, xo, h, w) in zip(levels, boxes):
+        placed = F.pad(x, (xo, width - xo - w, y, height - y - h))
+        canvas = placed if canvas is None else canvas + placed
+    return canvas
+
+
+# ---------------------------------------------------------------------- the canvas mode
+class CanvasMode(TorchFunctionMode):
+    """Track level boxes on canvas tensors and re-zero outside them after every op."""
+
+    def __init__(self, module: Any) -> None:
+        super().__init__()
+        self._boxes: dict[int, tuple[Any, list[Box]]] = {}
+        self._names = (
+            {id(m): n for n, m in module.named_modules()} if isinstance(module, nn.Module) else {}
+        )
+
+    def boxes(self, t: Any) -> list[Box] | None:
+        entry = self._boxes.get(id(t)) if isinstance(t, Tensor) else None
+        return entry[1] if entry is not None and entry[0] is t else None
+
+    def region(self, t: Any) -> list[Box] | None:
+        """Alias of :meth:`boxes` (shared helpers ask for ``region``)."""
+        return self.boxes(t)
+
+    def track(self, t: Tensor, boxes: list[Box]) -> Tensor:
+        self._boxes[id(t)] = (t, boxes)
+        return t
+
+    def mask(self, boxes: list[Box], shape: Sequence[int], device: torch.device) -> Tensor:
+        m = torch.zeros(shape[-2:], dtype=torch.bool, device=device)
+        for y, x, h, w in boxes:
+            m[y : y + h, x : x + w] = True
+        return m
+
+    def rezero(self, out: Tensor, boxes: list[Box]) -> Tensor:
+        return self.track(torch.where(self.mask(boxes, out.shape, out.device), out, 0), boxes)
+
+    def unsupported(self, func: Any, reason: str) -> UnsupportedOpError:
+        import sys
+
+        frame = sys._getframe(1)
+        module = None
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, nn.Module) and id(obj) in self._names:
+                module = self._names[id(obj)] or "<module>"
+                break
+            frame = frame.f_back
+        return UnsupportedOpError(_op_name(func), module, reason, context="map_levels canvas")
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        tracked = [t for t in _tensors(args, kwargs) if self.boxes(t) is not None]
+        if not tracked:
+            return func(*args, **kwargs)
+        rule = _CANVAS_RULES.get(func)
+        if rule is None:
+            out = func(*args, **kwargs)
+            if any(True for _ in _tensors((out,), {})):
+                raise self.unsupported(func, "no canvas rule for this op")
+            return out
+        return rule(self, func, args, kwargs)
+
+
+_CANVAS_RULES: dict[Any, Callable[..., Any]] = {}
+
+
+def _crule(*funcs: Any) -> Callable:
+    def reg(fn: Callable) -> Callable:
+        for f in funcs:
+            _CANVAS_RULES[f] = fn
+        return fn
+
+    return reg
+
+
+def _common_boxes(mode: CanvasMode, func: Any, tensors: Sequence[Tensor]) -> list[Box]:
+    found = None
+    for t in tensors:
+        b = mode.boxes(t)
+        if b is None:
+            if t.dim() >= 2 and t.numel() > 1 and t.shape[-1] > 1 and t.shape[-2] > 1:
+                raise mode.unsupported(func, "an unpacked spatial tensor combined with the canvas")
+            continue
+        if found is None:
+            found = b
+        elif found != b:
+            raise mode.unsupported(func, "inputs with different level boxes")
+    return found  # type: ignore[return-value]
+
+
+def _elementwise(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Any:
+    tensors = list(_tensors(args, kwargs))
+    boxes = _common_boxes(mode, func, tensors)
+    if (
+        func is F.batch_norm
+        and _bind(args, kwargs, ["input", "rm", "rv", "w", "b", "training"], {"training": False})[
+            "training"
+        ]
+    ):
+        raise mode.unsupported(
+            func, "BatchNorm with batch statistics (they would mix levels and gutters)"
+        )
+    if func in _SINGULAR:  # keep gutters away from 0 where the op is singular
+        args = tuple(
+            torch.where(mode.mask(mode.boxes(a), a.shape, a.device), a, 1.0)
+            if mode.boxes(a) is not None and i in _SINGULAR[func]
+            else a
+            for i, a in enumerate(args)
+        )
+    out = func(*args, **kwargs)
+    if not isinstance(out, Tensor):
+        return out
+    if any(out is t for t in tensors) or kwargs.get("inplace", False):
+        if func not in _ZERO_PRESERVING_INPLACE and not _zero_preserving(func, args, kwargs, mode):
+            out.masked_fill_(~mode.mask(boxes, out.shape, out.device), 0)
+        return mode.track(out, boxes)
+    return mode.rezero(out, boxes)
+
+
+for _f in (*_UNARY, *_BINARY, *_SINGULAR, F.batch_norm):
+    _CANVAS_RULES[_f] = _elementwise
+
+
+def _window(
+    mode: CanvasMode,
+    func: Any,
+    boxes: list[Box],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+) -> list[Box]:
+    """Output boxes of a sliding window, after checking alignment and gutters."""
+    out = []
+    for y, x, h, w in boxes:
+        if y % stride[0] or x % stride[1]:
+            raise mode.unsupported(
+                func, f"a level box at ({y}, {x}) not aligned to stride {tuple(stride)}"
+            )
+        sizes = []
+        for size, k, s, p, d in zip((h, w), kernel, stride, padding, dilation):
+            span = size + 2 * p - d * (k - 1) - 1
+            o = (-(-span // s) if ceil_mode else span // s) + 1
+            if ceil_mode and (o - 1) * s >= size + p:
+                o -= 1
+            if o < 1:
+                raise ValueError(
+                    f"{_op_name(func)}: a level of size {(h, w)} is too small for kernel {tuple(kernel)}"
+                )
+            sizes.append(o)
+        out.append((y // stride[0], x // stride[1], sizes[0], sizes[1]))
+    # every window of a level must stay inside the level or the zero gutter
+    for i, ((y, x, _, _), (_, _, oh, ow)) in enumerate(zip(boxes, out)):
+        r0 = y - padding[0]
+        r1 = y + (oh - 1) * stride[0] - padding[0] + dilation[0] * (kernel[0] - 1)
+        c0 = x - padding[1]
+        c1 = x + (ow - 1) * stride[1] - padding[1] + dilation[1] * (kernel[1] - 1)
+        for j, (yy, xx, hh, ww) in enumerate(boxes):
+            if i != j and r0 < yy + hh and yy <= r1 and c0 < xx + ww and xx <= c1:
+                raise mode.unsupported(
+                    func,
+                    f"the gutter between levels {i} and {j} is narrower than the window's reach",
+                )
+    return out
+
+
+@_crule(torch.conv2d)
+def _conv(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
+        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    )
+    x, w = b["input"], b["weight"]
+    if mode.boxes(w) is not None:
+        raise mode.unsupported(func, "a canvas as conv weight")
+    kernel = tuple(w.shape[2:])
+    stride, dilation = _ntuple(b["stride"], 2), _ntuple(b["dilation"], 2)
+    padding = b["padding"]
+    if padding == "valid":
+        padding = (0, 0)
+    elif padding == "same":
+        padding = tuple(d * (k - 1) // 2 for d, k in zip(dilation, kernel))
+        if any(d * (k - 1) % 2 for d, k in zip(dilation, kernel)):
+            raise mode.unsupported(func, "padding='same' with an even kernel")
+    padding = _ntuple(padding, 2)
+    boxes = _window(mode, func, mode.boxes(x), kernel, stride, padding, dilation, False)
+    return mode.rezero(func(*args, **kwargs), boxes)
+
+
+@_crule(F.max_pool2d, torch.max_pool2d)
+def _max_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"],
+        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
+    )
+    if b["return_indices"]:
+        raise mode.unsupported(func, "return_indices=True")
+    x = b["input"]
+    kernel = _ntuple(b["kernel_size"], 2)
+    stride = _ntuple(b["stride"] if b["stride"] not in (None, [], ()) else kernel, 2)
+    padding, dilation = _ntuple(b["padding"], 2), _ntuple(b["dilation"], 2)
+    boxes = _window(mode, func, mode.boxes(x), kernel, stride, padding, dilation, b["ceil_mode"])
+    filled = torch.where(mode.mask(mode.boxes(x), x.shape, x.device), x, -math.inf)
+    out = func(filled, *args[1:], **kwargs) if args else func(**{**kwargs, "input": filled})
+    return mode.rezero(out, boxes)
+
+
+@_crule(F.avg_pool2d)
+def _avg_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        [
+            "input",
+            "kernel_size",
+            "stride",
+            "padding",
+            "ceil_mode",
+            "count_include_pad",
+            "divisor_override",
+        ],
+        {
+            "stride": None,
+            "padding": 0,
+            "ceil_mode": False,
+            "count_include_pad": True,
+            "divisor_override": None,
+        },
+    )
+    x = b["input"]
+    kernel = _ntuple(b["kernel_size"], 2)
+    stride = _ntuple(b["stride"] if b["stride"] not in (None, [], ()) else kernel, 2)
+    padding = _ntuple(b["padding"], 2)
+    in_boxes = mode.boxes(x)
+    boxes = _window(mode, func, in_boxes, kernel, stride, padding, (1, 1), b["ceil_mode"])
+    sums = F.avg_pool2d(x, kernel, stride, padding, b["ceil_mode"], True, 1)
+    if b["divisor_override"]:
+        return mode.rezero(sums / b["divisor_override"], boxes)
+    divisor = torch.ones(sums.shape[-2:], dtype=x.dtype, device=x.device)
+    for (_, _, h, w), (oy, ox, oh, ow) in zip(in_boxes, boxes):
+        counts = []
+        for size, m, k, s, p in zip((h, w), (oh, ow), kernel, stride, padding):
+            o = torch.arange(m, device=x.device)
+            start = o * s - p
+            end = torch.clamp(start + k, max=size + p)
+            c = (
+                end - start
+                if b["count_include_pad"]
+                else torch.clamp(end, max=size) - torch.clamp(start, min=0)
+            )
+            counts.append(torch.clamp(c, min=1).to(x.dtype))
+        divisor[oy : oy + oh, ox : ox + ow] = counts[0][:, None] * counts[1][None, :]
+    return mode.rezero(sums / divisor, boxes)
+
+
+@_crule(F.interpolate)
+def _interpolate(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        ["input", "size", "scale_factor", "mode"],
+        {"size": None, "scale_factor": None, "mode": "nearest"},
+    )
+    if (
+        b["mode"] not in ("nearest", "nearest-exact")
+        or b["size"] is not None
+        or b["scale_factor"] is None
+    ):
+        raise mode.unsupported(func, "only nearest upsampling by an integer scale_factor")
+    sy, sx = (int(s) for s in _ntuple(b["scale_factor"], 2))
+    if any(float(s) != int(s) for s in _ntuple(b["scale_factor"], 2)):
+        raise mode.unsupported(func, "a non-integer scale_factor")
+    boxes = [(y * sy, x * sx, h * sy, w * sx) for y, x, h, w in mode.boxes(b["input"])]
+    return mode.rezero(func(*args, **kwargs), boxes)
+
+
+@_crule(torch.cat)
+def _cat(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(args, kwargs, ["tensors", "dim"], {"dim": 0})
+    if b["dim"] % 4 != 1:
+        raise mode.unsupported(func, "concatenation other than along channels")
+    boxes = _common_boxes(mode, func, list(b["tensors"]))
+    return mode.rezero(func(*args, **kwargs), boxes)
+
+
+def _per_level_normalise(mode: CanvasMode, x: Tensor, groups: int, eps: float) -> Tensor:
+    """Normalise every level box separately (native group_norm on each crop, pasted back)."""
+    height, width = x.shape[-2:]
+    out = None
+    for y, x0, h, w in mode.boxes(x):
+        crop = F.group_norm(x[:, :, y : y + h, x0 : x0 + w], groups, None, None, eps)
+        placed = F.pad(crop, (x0, width - x0 - w, y, height - y - h))
+        out = placed if out is None else out + placed
+    return out
+
+
+@_crule(F.group_norm)
+def _group_norm(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        ["input", "num_groups", "weight", "bias", "eps"],
+        {"weight": None, "bias": None, "eps": 1e-5},
+    )
+    x = b["input"]
+    out = _per_level_normalise(mode, x, b["num_groups"], b["eps"])
+    return mode.rezero(_affine(out, b["weight"], b["bias"]), mode.boxes(x))
+
+
+@_crule(F.instance_norm)
+def _instance_norm(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    b = _bind(
+        args,
+        kwargs,
+        [
+            "input",
+            "running_mean",
+            "running_var",
+            "weight",
+            "bias",
+            "use_input_stats",
+            "momentum",
+            "eps",
+        ],
+        {
+            "running_mean": None,
+            "running_var": None,
+            "weight": None,
+            "bias": None,
+            "use_input_stats": True,
+            "momentum": 0.1,
+            "eps": 1e-5,
+        },
+    )
+    x = b["input"]
+    if not b["use_input_stats"]:
+        return _elementwise(mode, func, args, kwargs)
+    if b["running_mean"] is not None:
+        raise mode.unsupported(func, "InstanceNorm updating running statistics")
+    out = _per_level_normalise(mode, x, x.shape[1], b["eps"])
+    return mode.rezero(_affine(out, b["weight"], b["bias"]), mode.boxes(x))
+
+
+def _affine(out: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    shape = (1, out.shape[1], 1, 1)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out
