@@ -23,7 +23,7 @@ from .enums import (
     Randomness,
     Strategy,
 )
-from .levels import map_levels
+from .levels import LevelOutputs, map_levels
 from .masked import UnsupportedOpError
 from .packing import Bucket, PackedBatch, Signature, pack
 from .result import JacobianResult
@@ -40,6 +40,7 @@ __all__ = [
     # adapter
     "PerSampleFunction",
     # masked execution and level packing
+    "LevelOutputs",
     "UnsupportedOpError",
     "map_levels",
     # parameter subsets

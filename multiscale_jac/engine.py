@@ -2,14 +2,17 @@
 
 Strategies (:class:`~multiscale_jac.enums.Strategy`):
 
-=========  ===========================================  =================================
+=========  ===========================================  ====================================
 strategy   runs                                         when it cannot run
-=========  ===========================================  =================================
+=========  ===========================================  ====================================
 vmap       one ``vmap`` over all samples                >1 shape signature -> bucketed
 bucketed   ``vmap`` within each shape-signature bucket  vmap error -> loop
+padded     one ``vmap`` over the padded batch, masked   unsupported op or error -> bucketed
+           after every op (``masked.MaskedMode``)
 loop       the reference loop                           (always runs)
-auto       vmap if one signature, else bucketed         as above
-=========  ===========================================  =================================
+auto       vmap if one signature, else bucketed or      padded impossible -> bucketed (a note)
+           padded by the cost model (``_planning``)
+=========  ===========================================  ====================================
 
 A fallback warns (:class:`~multiscale_jac.enums.FallbackWarning`) and is recorded on the result
 (``result.strategy``, ``result.fallback``); with ``strict=True`` it raises instead.
@@ -74,7 +77,7 @@ def per_sample_jacobian(
         output_fn: Applied to the model's output (batch dim of one kept) before flattening,
             e.g. to reduce it.
         mode: ``"auto"``, ``"rev"`` or ``"fwd"``.
-        strategy: ``"auto"``, ``"vmap"``, ``"bucketed"`` or ``"loop"``.
+        strategy: ``"auto"``, ``"vmap"``, ``"bucketed"``, ``"padded"`` or ``"loop"``.
         chunk_size: Samples per vectorised call (``1`` runs the samples one by one through
             the same code path). Default: from ``memory_budget`` or a working-set target.
         memory_budget: Bytes the computation may use, including the returned Jacobian; picks
@@ -181,6 +184,16 @@ def _jacobian_impl(
                 f"strategy 'padded' cannot run this model ({err})", Strategy.BUCKETED, err
             )
             continue
+        except RuntimeError as err:
+            if ran is not Strategy.PADDED:
+                raise  # a plain forward pass failed: the model fails in the loop too
+            ran = fall_back(
+                f"strategy 'padded' failed in its planning pass "
+                f"({type(err).__name__}: {_first_line(err)})",
+                Strategy.BUCKETED,
+                err,
+            )
+            continue
         try:
             with torch.no_grad():
                 jac = _run(plan, fn.subset, fn.values(), randomness)
@@ -203,7 +216,7 @@ def _jacobian_impl(
                 continue
             ran = fall_back(
                 f"strategy {ran.value!r} failed ({type(err).__name__}: {_first_line(err)})",
-                Strategy.LOOP,
+                Strategy.BUCKETED if ran is Strategy.PADDED else Strategy.LOOP,
                 err,
             )
             continue
@@ -245,12 +258,27 @@ def _choose(
     keep the one the cost model (``_planning.estimate_seconds``) expects to be faster. A model
     that padded execution cannot run is a choice, not a fallback: it is noted, not warned."""
     bucketed = _plan(fn, packed, Strategy.BUCKETED, mode, chunk_size, memory_budget, randomness)
+    bucketed_s = _cost(bucketed)
+    bound = _padded_lower_bound(bucketed)
+    if bound >= bucketed_s:
+        # planning padded costs a masked forward pass: skip it when it cannot win
+        notes.append(
+            f"auto: estimated bucketed {bucketed_s * 1e3:.1f} ms, padded at least "
+            f"{bound * 1e3:.1f} ms; chose 'bucketed'"
+        )
+        return Strategy.BUCKETED, bucketed
     try:
         padded = _plan(fn, packed, Strategy.PADDED, mode, chunk_size, memory_budget, randomness)
     except UnsupportedOpError as err:
         notes.append(f"auto: 'padded' not possible ({err}); chose 'bucketed'")
         return Strategy.BUCKETED, bucketed
-    costs = {p.strategy: _cost(p) for p in (bucketed, padded)}
+    except RuntimeError as err:
+        notes.append(
+            f"auto: 'padded' not possible ({type(err).__name__} in its planning pass: "
+            f"{_first_line(err)}); chose 'bucketed'"
+        )
+        return Strategy.BUCKETED, bucketed
+    costs = {Strategy.BUCKETED: bucketed_s, Strategy.PADDED: _cost(padded)}
     best = min(costs, key=costs.__getitem__)
     notes.append(
         "auto: estimated "
@@ -258,6 +286,25 @@ def _choose(
         + f"; chose {best.value!r}"
     )
     return best, bucketed if best is Strategy.BUCKETED else padded
+
+
+def _padded_lower_bound(bucketed: _VectorPlan) -> float:
+    """A lower bound of the padded plan's estimate, from the bucketed plan's measurements: the
+    padded sample is at least as large as the largest bucket's (activations and outputs), and
+    all samples run in at least one call."""
+    largest = Footprint(
+        activations=max(g.footprint.activations for g in bucketed.groups),
+        largest=max(g.footprint.largest for g in bucketed.groups),
+        outputs=max(g.outputs for g in bucketed.groups),
+    )
+    passes = len(bucketed.spans) if bucketed.mode is Mode.FWD else 1
+    return estimate_seconds(
+        [(bucketed.num_samples, bucketed.num_samples, largest, passes)],
+        mode=bucketed.mode,
+        numel=bucketed.numel,
+        padded=True,
+        device=bucketed.device,
+    )
 
 
 def _cost(plan: _VectorPlan) -> float:

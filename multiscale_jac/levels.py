@@ -9,8 +9,8 @@ stride-2 conv halves them; the canvas offsets are multiples of the total stride 
 aligned), checks that no window reaches from one level into another (the gutters are wide
 enough), fills gutters with ``-inf`` for max pooling, divides average pools per level, and
 normalises (GroupNorm/InstanceNorm) with statistics per level. An op it has no rule
-for, or a gutter that turns out too narrow, makes it fall back to the per-level loop, recorded in
-:func:`last_packing`.
+for, or a gutter that turns out too narrow, makes it fall back to the per-level loop, recorded on
+the returned :class:`LevelOutputs`.
 
 Padding every level to the largest and stacking them (the other obvious packing) does about
 ``L / 1.33`` times the useful work on an FPN; the canvas wastes only its gutters and the corner
@@ -20,8 +20,8 @@ left free by the shelf layout (``docs/padded.md`` has the measurements).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,8 +29,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from .enums import FallbackWarning
 from .masked import (
     _BINARY,
+    _SAVES_OUTPUT_INPLACE,
     _SINGULAR,
     _UNARY,
     _ZERO_PRESERVING_INPLACE,
@@ -43,52 +45,75 @@ from .masked import (
     _zero_preserving,
 )
 
-__all__ = ["CanvasMode", "last_packing", "map_levels"]
+__all__ = ["AUTO_PACKING", "CanvasMode", "LevelOutputs", "map_levels"]
 
 Box = tuple[int, int, int, int]  # (y, x, h, w) on the canvas
 
 
-@dataclass
-class _Info:
-    packing: str
-    reason: str | None = None
+class LevelOutputs(list):
+    """The per-level outputs of :func:`map_levels` (a ``list`` of tensors) and how they were made.
+
+    Attributes:
+        packing: ``"canvas"`` (one call on a canvas of all levels) or ``"loop"`` (one call per
+            level).
+        requested: The ``packing`` argument (``"auto"``, ``"canvas"`` or ``"loop"``).
+        reason: Why the loop ran when the canvas was requested or chosen (``None`` otherwise).
+    """
+
+    def __init__(
+        self, outputs: Sequence[Any], packing: str, requested: str, reason: str | None = None
+    ) -> None:
+        super().__init__(outputs)
+        self.packing = packing
+        self.requested = requested
+        self.reason = reason
 
 
-_LAST = _Info("none")
-
-
-def last_packing() -> tuple[str, str | None]:
-    """``(packing, reason)`` of the most recent :func:`map_levels` call in this process:
-    ``"canvas"`` or ``"loop"``, and why it fell back to the loop."""
-    return _LAST.packing, _LAST.reason
+#: What ``packing="auto"`` runs, per device type (measured in ``benchmarks/bench_multires.py``).
+AUTO_PACKING: dict[str, str] = {"cpu": "loop"}
+_AUTO_PACKING_OTHER = "canvas"
 
 
 def map_levels(
     module: nn.Module | Callable[[Tensor], Tensor],
     levels: Sequence[Tensor],
     *,
-    packing: str = "canvas",
+    packing: str = "auto",
     gutter: int | None = None,
     strict: bool = False,
-) -> list[Tensor]:
+) -> LevelOutputs:
     """``[module(x) for x in levels]``, computed in one call on a canvas of all levels.
 
     Args:
-        module: Applied to every level; spatial ops must be convs/pools/nearest upsampling
-            (any stride, padding, dilation, groups), elementwise ops, BatchNorm in eval mode,
-            GroupNorm, InstanceNorm, concatenation along channels.
-        levels: ``L`` tensors ``(B, C, H_l, W_l)`` (same B and C).
-        packing: ``"canvas"`` or ``"loop"`` (the plain list comprehension).
-        gutter: Zero columns/rows between levels; default from the module's convs and pools.
+        module: Applied to every level. On the canvas its spatial ops must be 2-d convs,
+            max/avg pools or nearest upsampling by an integer factor (any stride, padding,
+            dilation, groups), elementwise ops, BatchNorm in eval mode, GroupNorm, InstanceNorm,
+            concatenation along channels; anything else makes the canvas fall back to the loop.
+        levels: ``L`` tensors ``(B, C, H_l, W_l)`` (same ``B`` and ``C``).
+        packing: ``"canvas"`` (one call on all levels), ``"loop"`` (the list comprehension) or
+            ``"auto"``: :data:`AUTO_PACKING` by the levels' device type (the loop on CPU, where
+            it measured faster; the canvas elsewhere).
+        gutter: Zero rows/columns between levels on the canvas; default: the module's largest
+            window reach (in input pixels) plus its total stride, enough for every conv/pool
+            layer registered in ``module``; too narrow a gutter is detected and falls back.
         strict: Raise :class:`~multiscale_jac.masked.UnsupportedOpError` instead of falling
-            back to the loop.
+            back to the loop when the canvas cannot run the module exactly.
 
     Returns:
-        The per-level outputs, equal to ``[module(x) for x in levels]``.
+        The per-level outputs, equal to ``[module(x) for x in levels]``, as a list that also
+        records the packing that ran (:class:`LevelOutputs`). A fallback from an explicitly
+        requested canvas to the loop also warns (:class:`~multiscale_jac.FallbackWarning`);
+        under ``"auto"`` it is recorded only. Inside padded (masked) execution the loop runs
+        (every level already carries its own per-sample mask there).
+
+    Raises:
+        ValueError: Unknown ``packing``, an empty list, levels that are not 4-d or that differ
+            in batch size or channels, a negative ``gutter``.
     """
-    global _LAST
-    if packing not in ("canvas", "loop"):
-        raise ValueError(f"unknown packing {packing!r}; expected 'canvas' or 'loop'")
+    if packing not in ("auto", "canvas", "loop"):
+        raise ValueError(f"unknown packing {packing!r}; expected 'auto', 'canvas' or 'loop'")
+    if gutter is not None and (not isinstance(gutter, int) or gutter < 0):
+        raise ValueError(f"gutter must be a non-negative int; got {gutter!r}")
     levels = list(levels)
     if not levels:
         raise ValueError("map_levels got an empty list of levels")
@@ -101,15 +126,21 @@ def map_levels(
                 f"level {k} has batch/channels {tuple(x.shape[:2])} but level 0 has "
                 f"{tuple(levels[0].shape[:2])}; all levels must share B and C"
             )
-    if packing == "loop" or len(levels) == 1:
-        _LAST = _Info("loop", None if packing == "loop" else "one level")
-        return [module(x) for x in levels]
+    chosen = packing
+    if packing == "auto":
+        chosen = AUTO_PACKING.get(levels[0].device.type, _AUTO_PACKING_OTHER)
+
+    def loop(reason: str | None) -> LevelOutputs:
+        return LevelOutputs([module(x) for x in levels], "loop", packing, reason)
+
+    if chosen == "loop":
+        return loop(None if packing == "loop" else f"auto on {levels[0].device.type}")
+    if len(levels) == 1:
+        return loop("one level")
     if any(isinstance(m, MaskedMode) for m in _get_current_function_mode_stack()):
-        # inside padded execution every level already carries its own mask
-        _LAST = _Info("loop", "inside padded (masked) execution")
-        return [module(x) for x in levels]
+        return loop("inside padded (masked) execution")
     stride, reach = _geometry(module)
-    g = gutter if gutter is not None else max(reach * stride, 1)
+    g = gutter if gutter is not None else reach + stride  # reach is in input pixels already
     boxes, height, width = _shelf([tuple(x.shape[2:]) for x in levels], g, stride)
     canvas = _paint(levels, boxes, height, width)
     mode = CanvasMode(module)
@@ -125,14 +156,17 @@ def map_levels(
                 "the module's output is not a spatial map with one box per level",
                 context="map_levels canvas",
             )
-        result = [out[:, :, y : y + h, x : x + w] for y, x, h, w in out_boxes]
     except UnsupportedOpError as err:
         if strict:
             raise
-        _LAST = _Info("loop", str(err))
-        return [module(x) for x in levels]
-    _LAST = _Info("canvas")
-    return result
+        if packing == "canvas":
+            warnings.warn(
+                f"map_levels fell back from the canvas to the per-level loop: {err}",
+                FallbackWarning,
+                stacklevel=2,
+            )
+        return loop(str(err))
+    return LevelOutputs(_cut(out, out_boxes), "canvas", packing)
 
 
 def _geometry(module: Any) -> tuple[int, int]:
@@ -184,14 +218,32 @@ def _shelf(sizes: list[tuple[int, int]], gutter: int, stride: int) -> tuple[list
     return boxes, up(height), up(width)
 
 
+def _flat_index(boxes: Sequence[Box], width: int, device: torch.device) -> Tensor:
+    """Canvas positions (row-major, ``y * width + x``) of every box's pixels, box after box."""
+    parts = [
+        (
+            torch.arange(y, y + h, device=device)[:, None] * width
+            + torch.arange(x, x + w, device=device)
+        ).reshape(-1)
+        for y, x, h, w in boxes
+    ]
+    return torch.cat(parts)
+
+
 def _paint(levels: list[Tensor], boxes: list[Box], height: int, width: int) -> Tensor:
     """The canvas ``(B, C, height, width)``: zeros with every level pasted at its box."""
-    # built from pads and sums so that it stays differentiable and vmap-friendly
-    canvas = None
-    for x, (y, xo, h, w) in zip(levels, boxes):
-        placed = F.pad(x, (xo, width - xo - w, y, height - y - h))
-        canvas = placed if canvas is None else canvas + placed
-    return canvas
+    # one out-of-place index_copy: differentiable, vmap-friendly, and its backward is one gather
+    flat = torch.cat([x.flatten(2) for x in levels], dim=-1)
+    canvas = flat.new_zeros(*flat.shape[:-1], height * width)
+    canvas = canvas.index_copy(-1, _flat_index(boxes, width, flat.device), flat)
+    return canvas.unflatten(-1, (height, width))
+
+
+def _cut(out: Tensor, boxes: Sequence[Box]) -> list[Tensor]:
+    """The per-level maps ``(B, C', h, w)`` cut out of a canvas ``(B, C', H, W)`` (one gather)."""
+    flat = out.flatten(-2).index_select(-1, _flat_index(boxes, out.shape[-1], out.device))
+    pieces = flat.split([h * w for _, _, h, w in boxes], dim=-1)
+    return [p.unflatten(-1, (h, w)) for p, (_, _, h, w) in zip(pieces, boxes)]
 
 
 # ---------------------------------------------------------------------- the canvas mode
@@ -201,6 +253,7 @@ class CanvasMode(TorchFunctionMode):
     def __init__(self, module: Any) -> None:
         super().__init__()
         self._boxes: dict[int, tuple[Any, list[Box]]] = {}
+        self._masks: dict[Any, Tensor] = {}
         self._names = (
             {id(m): n for n, m in module.named_modules()} if isinstance(module, nn.Module) else {}
         )
@@ -218,9 +271,14 @@ class CanvasMode(TorchFunctionMode):
         return t
 
     def mask(self, boxes: list[Box], shape: Sequence[int], device: torch.device) -> Tensor:
-        m = torch.zeros(shape[-2:], dtype=torch.bool, device=device)
-        for y, x, h, w in boxes:
-            m[y : y + h, x : x + w] = True
+        """``(H, W)`` bool, true inside the boxes (cached per layout for this call)."""
+        key = (tuple(boxes), tuple(shape[-2:]), str(device))
+        m = self._masks.get(key)
+        if m is None:
+            m = torch.zeros(shape[-2:], dtype=torch.bool, device=device)
+            for y, x, h, w in boxes:
+                m[y : y + h, x : x + w] = True
+            self._masks[key] = m
         return m
 
     def rezero(self, out: Tensor, boxes: list[Box]) -> Tensor:
@@ -294,6 +352,8 @@ def _elementwise(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Any:
         raise mode.unsupported(
             func, "BatchNorm with batch statistics (they would mix levels and gutters)"
         )
+    if func in _SAVES_OUTPUT_INPLACE:
+        raise mode.unsupported(func, "an in-place op whose backward reads its output")
     if func in _SINGULAR:  # keep gutters away from 0 where the op is singular
         args = tuple(
             torch.where(mode.mask(mode.boxes(a), a.shape, a.device), a, 1.0)
@@ -482,15 +542,20 @@ def _cat(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.rezero(func(*args, **kwargs), boxes)
 
 
-def _per_level_normalise(mode: CanvasMode, x: Tensor, groups: int, eps: float) -> Tensor:
-    """Normalise every level box separately (native group_norm on each crop, pasted back)."""
+def _per_level_normalise(
+    mode: CanvasMode, x: Tensor, groups: int, eps: float, weight: Tensor | None, bias: Tensor | None
+) -> Tensor:
+    """Normalise every level box separately: gather the boxes' pixels, native ``group_norm``
+    (with the affine) on each level's pixels, scatter back onto a zero canvas (gutters stay 0)."""
+    boxes = mode.boxes(x)
     height, width = x.shape[-2:]
-    out = None
-    for y, x0, h, w in mode.boxes(x):
-        crop = F.group_norm(x[:, :, y : y + h, x0 : x0 + w], groups, None, None, eps)
-        placed = F.pad(crop, (x0, width - x0 - w, y, height - y - h))
-        out = placed if out is None else out + placed
-    return out
+    index = _flat_index(boxes, width, x.device)
+    flat = x.flatten(-2).index_select(-1, index)
+    pieces = flat.split([h * w for _, _, h, w in boxes], dim=-1)
+    # native group_norm per level (measured faster on CPU than segment sums over all levels)
+    normed = torch.cat([F.group_norm(p, groups, weight, bias, eps) for p in pieces], dim=-1)
+    canvas = normed.new_zeros(*normed.shape[:-1], height * width).index_copy(-1, index, normed)
+    return mode.track(canvas.unflatten(-1, (height, width)), boxes)
 
 
 @_crule(F.group_norm)
@@ -502,8 +567,7 @@ def _group_norm(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tenso
         {"weight": None, "bias": None, "eps": 1e-5},
     )
     x = b["input"]
-    out = _per_level_normalise(mode, x, b["num_groups"], b["eps"])
-    return mode.rezero(_affine(out, b["weight"], b["bias"]), mode.boxes(x))
+    return _per_level_normalise(mode, x, b["num_groups"], b["eps"], b["weight"], b["bias"])
 
 
 @_crule(F.instance_norm)
@@ -536,14 +600,4 @@ def _instance_norm(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Te
         return _elementwise(mode, func, args, kwargs)
     if b["running_mean"] is not None:
         raise mode.unsupported(func, "InstanceNorm updating running statistics")
-    out = _per_level_normalise(mode, x, x.shape[1], b["eps"])
-    return mode.rezero(_affine(out, b["weight"], b["bias"]), mode.boxes(x))
-
-
-def _affine(out: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-    shape = (1, out.shape[1], 1, 1)
-    if weight is not None:
-        out = out * weight.reshape(shape)
-    if bias is not None:
-        out = out + bias.reshape(shape)
-    return out
+    return _per_level_normalise(mode, x, x.shape[1], b["eps"], b["weight"], b["bias"])

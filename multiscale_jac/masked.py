@@ -367,7 +367,9 @@ _UNARY = [
     torch.Tensor.sub_,
     torch.Tensor.div_,
     torch.Tensor.sigmoid_,
+    torch.sigmoid_,
     torch.Tensor.tanh_,
+    torch.tanh_,
     torch.zeros_like,
     torch.ones_like,
     torch.full_like,
@@ -418,10 +420,21 @@ _SINGULAR = {
     torch.Tensor.__rpow__: (0,),
     torch.log2: (0,),
     torch.log10: (0,),
+    torch.Tensor.div_: (1,),
 }
 #: In-place ops that keep zeros zero (their output must not be modified again: autograd may have
 #: saved it).
-_ZERO_PRESERVING_INPLACE = {torch.relu_, torch.Tensor.relu_, torch.Tensor.mul_, torch.Tensor.div_}
+_ZERO_PRESERVING_INPLACE = {
+    torch.relu_,
+    torch.Tensor.relu_,
+    torch.Tensor.mul_,
+    torch.Tensor.div_,  # its padded divisor is set to 1 first (_SINGULAR)
+    torch.tanh_,
+    torch.Tensor.tanh_,
+}
+#: In-place ops that do not keep zeros zero and whose backward uses their output: re-zeroing
+#: that output in place would corrupt the saved tensor, so they are unsupported.
+_SAVES_OUTPUT_INPLACE = {torch.sigmoid_, torch.Tensor.sigmoid_, torch.exp_, torch.Tensor.exp_}
 
 
 def _common_region(
@@ -449,6 +462,12 @@ def _common_region(
 @_rule(*_UNARY, *_BINARY, *_SINGULAR)
 def _elementwise(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Any:
     tensors = list(_tensors(args, kwargs))
+    if func in _SAVES_OUTPUT_INPLACE:
+        raise mode.unsupported(
+            func,
+            "an in-place op that does not keep 0 at 0 and whose backward reads its output "
+            "(re-zeroing the padding would modify a saved tensor); use the out-of-place form",
+        )
     if func in _SINGULAR:
         args = list(args)
         for pos in _SINGULAR[func]:
@@ -903,7 +922,7 @@ def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tens
     if b["size"] is not None or b["scale_factor"] is None:
         raise mode.unsupported(
             func,
-            "size= gives every sample the padded target size, but the per-sample target sizes differ; use an integer scale_factor",
+            "size= would give every sample the same (padded) target size, not its own; use an integer scale_factor",
         )
     scale = _ntuple(b["scale_factor"], nsp)
     if any(float(s) != int(s) or int(s) < 1 for s in scale):

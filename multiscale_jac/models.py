@@ -99,7 +99,7 @@ class SharedHeadFPN(nn.Module):
     Lateral 1x1 convs bring every input level to ``width`` channels; one tower (``depth`` times
     3x3 conv, GroupNorm, ReLU, then a 3x3 conv to ``num_outputs``) runs on every level through
     :func:`multiscale_jac.map_levels` (``packing="canvas"``: one call on a canvas of all levels;
-    ``"loop"``: the usual list comprehension). Output: the per-level maps flattened and
+    ``"loop"``: the usual list comprehension; ``"auto"``: by device). Output: the per-level maps flattened and
     concatenated, ``(B, num_outputs * sum_l H_l W_l)``.
     """
 
@@ -109,7 +109,7 @@ class SharedHeadFPN(nn.Module):
         width: int = 8,
         num_outputs: int = 4,
         depth: int = 2,
-        packing: str = "canvas",
+        packing: str = "auto",
     ) -> None:
         super().__init__()
         self.packing = packing

@@ -25,7 +25,8 @@ class JacobianResult:
             has ``O`` outputs. Padded rows of ``jacobian`` are exactly zero.
         output_sizes: The number of outputs ``O_i`` of every sample.
         subset: The :class:`~multiscale_jac.subset.ParamSubset` that defines the columns.
-        strategy: The strategy that actually ran (``vmap``, ``bucketed`` or ``loop``).
+        strategy: The strategy that actually ran (``vmap``, ``bucketed``, ``padded`` or
+            ``loop``).
         mode: The autodiff mode that actually ran (``rev`` or ``fwd``).
         requested_strategy: What the caller asked for (possibly ``auto``).
         requested_mode: What the caller asked for (possibly ``auto``).

@@ -26,3 +26,22 @@ def test_example_runs(name: str, capsys) -> None:
     out = capsys.readouterr().out
     for diff in re.findall(r"max \|engine - loop\| = (\S+)", out):
         assert float(diff) < 1e-4
+
+
+@pytest.mark.parametrize("page", ["padded.md"])
+def test_docs_page_blocks_run_and_print_what_they_say(page: str, capsys) -> None:
+    """The python blocks of a docs page run in order; every ``print(...)  # expected`` prints
+    the expected text."""
+    text = (ROOT / "docs" / page).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks
+    namespace: dict = {}
+    for k, block in enumerate(blocks):
+        expected = [
+            m.group(1).strip() for m in re.finditer(r"^print\(.*\)\s+#\s*(.+)$", block, flags=re.M)
+        ]
+        exec(compile(block, f"{page}[block {k}]", "exec"), namespace)
+        printed = [ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.strip()]
+        assert printed[-len(expected) :] if expected else True
+        for want, got in zip(expected, printed[-len(expected) :] if expected else []):
+            assert got == want, (k, want, got)

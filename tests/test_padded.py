@@ -231,6 +231,12 @@ UNSUPPORTED = [
         "no exact rule",
     ),
     (
+        "inplace_sigmoid",
+        lambda y: y.clone().sigmoid_(),
+        "Tensor.sigmoid_",
+        "backward reads its output",
+    ),
+    (
         "linear_over_width",
         lambda y: nn.functional.linear(y, torch.ones(2, y.shape[-1], dtype=y.dtype)),
         "F.linear",
@@ -298,3 +304,42 @@ def test_supported_ops_catalogue() -> None:
         "Tensor.flatten",
     ]:
         assert name in SUPPORTED_OPS
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda y: y / (y * y + 1),
+        lambda y: y.clone().div_(y * y + 1),
+        lambda y: torch.tanh_(y.clone()) + 1,
+        lambda y: y.clone().relu_() - 0.5,
+    ],
+    ids=["div", "div_inplace", "tanh_inplace", "relu_inplace"],
+)
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_inplace_and_singular_ops_are_exact(fn, mode) -> None:
+    torch.manual_seed(0)
+    model = Wrapper(fn).to(D).eval()
+    samples = [[torch.randn(2, 4, 4, dtype=D)], [torch.randn(2, 3, 5, dtype=D)]]
+    ref = per_sample_jacobian_loop(model, samples)
+    res = mj.per_sample_jacobian(model, samples, strategy="padded", mode=mode, strict=True)
+    assert res.strategy == "padded"
+    assert torch.isfinite(res.jacobian).all()
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+
+
+def test_runtime_error_in_padded_planning_falls_back_to_buckets() -> None:
+    """A view that only works on the unpadded sizes: PyTorch fails on the padded tensor."""
+    model = Wrapper(lambda y: y.reshape(-1)[None, :].reshape(1, -1, 5).sum(-1)).to(D).eval()
+    samples = [[torch.randn(2, 5, 5, dtype=D)], [torch.randn(2, 5, 5, dtype=D)]]
+    samples.append([torch.randn(2, 5, 3, dtype=D)])  # 30 values; padded to 50: fine; 2x5x6?
+    samples.append([torch.randn(2, 6, 5, dtype=D)])  # the padded sample is 2x6x5=60
+    ref = per_sample_jacobian_loop(model, samples)
+    with pytest.raises((RuntimeError, UnsupportedOpError)):
+        mj.per_sample_jacobian(model, samples, strategy="padded", strict=True)
+    with pytest.warns(mj.FallbackWarning, match="strategy 'padded'"):
+        res = mj.per_sample_jacobian(model, samples, strategy="padded")
+    assert res.strategy == "bucketed"
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+    auto = mj.per_sample_jacobian(model, samples)
+    assert auto.strategy == "bucketed" and "not possible" in auto.notes[0]
