@@ -27,6 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from .enums import InputKind
+from .structured import StructuredMode, structured_kind
 from .subset import ParamSubset
 
 __all__ = ["PerSampleFunction", "flatten_output"]
@@ -43,6 +44,9 @@ class PerSampleFunction:
         eval_batch_norm: Run train-mode BatchNorm layers with their running statistics.
         tokens: Give the model every level as tokens ``(1, positions, C_l)`` instead of
             ``(1, C_l, *spatial)`` (inputs packed with ``layout="nested"``).
+        structured: Differentiate selected entries of conv1d/conv2d/linear weights through
+            :mod:`~multiscale_jac.structured` (cost per selected entry, not per weight tensor);
+            other selected tensors use the generic reparametrisation.
 
     ``values`` is a tuple with one tensor per selected parameter tensor, in ``subset.names``
     order, shaped ``subset.selected_shape(name)``. ``levels`` are the sample's levels
@@ -58,6 +62,7 @@ class PerSampleFunction:
         *,
         eval_batch_norm: bool = False,
         tokens: bool = False,
+        structured: bool = False,
     ) -> None:
         params = subset.check_model(model)
         self.model = model
@@ -81,6 +86,22 @@ class PerSampleFunction:
             n: (None if i is None else i.to(self._base[n].device))
             for n, i in subset.indices.items()
         }
+        #: selected tensors that go through the structured conv/linear functions
+        self.structured_names: tuple[str, ...] = ()
+        if structured:
+            owners: dict[int, set[type]] = {}
+            for m in model.modules():
+                w = getattr(m, "weight", None)
+                if isinstance(w, Tensor):
+                    owners.setdefault(id(w), set()).add(type(m))
+            self.structured_names = tuple(
+                n
+                for n in subset.names
+                if self._flat_idx[n] is not None
+                # a large share of the tensor is cheaper through the dense weight
+                and 2 * self._flat_idx[n].numel() <= params[n].numel()
+                and structured_kind(owners.get(id(params[n]), set())) is not None
+            )
 
     @property
     def params(self) -> dict[str, Tensor]:
@@ -149,7 +170,22 @@ class PerSampleFunction:
             return flatten_output(out)
 
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
-        return self.call(self.full_params(values), levels)
+        if not self.structured_names:
+            return self.call(self.full_params(values), levels)
+        plain = tuple(
+            self._base[n].reshape(-1)[self._flat_idx[n]] if n in self.structured_names else v
+            for n, v in zip(self.subset.names, values)
+        )
+        params = self.full_params(plain)
+        entries = {}
+        for n, v in zip(self.subset.names, values):
+            if n in self.structured_names:
+                alias = self._base[n].view_as(self._base[n])  # a fresh object the mode knows
+                params[n] = alias
+                entries[id(alias)] = (alias, self._base[n], self._flat_idx[n], v)
+        return self.call(
+            params, levels, around=lambda stack, _: stack.enter_context(StructuredMode(entries))
+        )
 
 
 def flatten_output(out: Any, path: str = "output") -> Tensor:
