@@ -70,7 +70,7 @@ from _common import (
 from torch.func import functional_call, jacrev
 
 from multiscale_jac import FallbackWarning, JacobianResult, ParamSubset, pack, per_sample_jacobian
-from multiscale_jac.levels import _shelf, map_levels
+from multiscale_jac.levels import canvas_layout, map_levels
 from multiscale_jac.models import SharedHeadFPN
 
 METHODS = ("loop", "jacrev_loop", "bucketed", "padded", "auto")
@@ -261,7 +261,7 @@ def bench_packing(args, device) -> dict[str, Any]:
     jac_samples = [[x[i] for x in batch] for i in range(2 if args.quick else 4)]
     lateral = [torch.randn(b, 8, hh, ww) for hh, ww in sizes]
     packing = map_levels(models["canvas"].head, [x.to(device) for x in lateral], packing="canvas")
-    _, ch, cw = _shelf(sizes, 1, 1)
+    _, ch, cw = canvas_layout(models["canvas"].head, sizes)  # the layout map_levels used
     useful = sum(hh * ww for hh, ww in sizes)
     rec: dict[str, Any] = {
         "description": f"SharedHeadFPN head on a uniform batch B={b}, levels {sizes}; "

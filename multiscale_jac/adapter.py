@@ -27,7 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from .enums import InputKind
-from .structured import StructuredMode, structured_kind
+from .structured import StructuredMode, dense_weight, structured_kind
 from .subset import ParamSubset
 
 __all__ = ["PerSampleFunction", "flatten_output"]
@@ -129,13 +129,13 @@ class PerSampleFunction:
             params.update(values)
             return params
         for name, v in zip(self.subset.names, values):
-            idx = self._flat_idx[name]
-            if idx is None:
-                params[name] = v
-            else:
-                base = self._base[name]
-                params[name] = base.reshape(-1).index_put((idx,), v).view(base.shape)
+            params[name] = self._place(name, v)
         return params
+
+    def _place(self, name: str, v: Tensor) -> Tensor:
+        """The full tensor ``name`` with its selected entries set to ``v``."""
+        idx = self._flat_idx[name]
+        return v if idx is None else dense_weight(self._base[name], idx, v)
 
     def call(
         self,
@@ -172,17 +172,15 @@ class PerSampleFunction:
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
         if not self.structured_names:
             return self.call(self.full_params(values), levels)
-        plain = tuple(
-            self._base[n].reshape(-1)[self._flat_idx[n]] if n in self.structured_names else v
-            for n, v in zip(self.subset.names, values)
-        )
-        params = self.full_params(plain)
+        params = dict(self._base)
         entries = {}
         for n, v in zip(self.subset.names, values):
             if n in self.structured_names:
                 alias = self._base[n].view_as(self._base[n])  # a fresh object the mode knows
                 params[n] = alias
                 entries[id(alias)] = (alias, self._base[n], self._flat_idx[n], v)
+            else:
+                params[n] = self._place(n, v)
         return self.call(
             params, levels, around=lambda stack, _: stack.enter_context(StructuredMode(entries))
         )

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from ._checks import check_bool
 from .enums import FallbackWarning
 from .masked import (
     _BINARY,
@@ -38,14 +39,16 @@ from .masked import (
     _ZERO_PRESERVING_INPLACE,
     MaskedMode,
     UnsupportedOpError,
-    _bind,
+    _avg_divisor,
+    _bind_op,
     _ntuple,
     _op_name,
+    _pool_args,
     _tensors,
     _zero_preserving,
 )
 
-__all__ = ["AUTO_PACKING", "CanvasMode", "LevelOutputs", "map_levels"]
+__all__ = ["AUTO_PACKING", "CanvasMode", "LevelOutputs", "canvas_layout", "map_levels"]
 
 Box = tuple[int, int, int, int]  # (y, x, h, w) on the canvas
 
@@ -108,11 +111,17 @@ def map_levels(
 
     Raises:
         ValueError: Unknown ``packing``, an empty list, levels that are not 4-d or that differ
-            in batch size or channels, a negative ``gutter``.
+            in batch size or channels, a ``gutter`` that is not a non-negative int.
+        TypeError: A ``module`` that is not callable, a ``strict`` that is not a bool.
     """
+    if not callable(module):
+        raise TypeError(f"module must be callable; got {type(module).__name__}")
+    strict = check_bool(strict, "strict")
     if packing not in ("auto", "canvas", "loop"):
         raise ValueError(f"unknown packing {packing!r}; expected 'auto', 'canvas' or 'loop'")
-    if gutter is not None and (not isinstance(gutter, int) or gutter < 0):
+    if gutter is not None and (
+        not isinstance(gutter, int) or isinstance(gutter, bool) or gutter < 0
+    ):
         raise ValueError(f"gutter must be a non-negative int; got {gutter!r}")
     levels = list(levels)
     if not levels:
@@ -139,9 +148,7 @@ def map_levels(
         return loop("one level")
     if any(isinstance(m, MaskedMode) for m in _get_current_function_mode_stack()):
         return loop("inside padded (masked) execution")
-    stride, reach = _geometry(module)
-    g = gutter if gutter is not None else reach + stride  # reach is in input pixels already
-    boxes, height, width = _shelf([tuple(x.shape[2:]) for x in levels], g, stride)
+    boxes, height, width = canvas_layout(module, [tuple(x.shape[2:]) for x in levels], gutter)
     canvas = _paint(levels, boxes, height, width)
     mode = CanvasMode(module)
     try:
@@ -167,6 +174,16 @@ def map_levels(
             )
         return loop(str(err))
     return LevelOutputs(_cut(out, out_boxes), "canvas", packing)
+
+
+def canvas_layout(
+    module: Any, sizes: Sequence[tuple[int, int]], gutter: int | None = None
+) -> tuple[list[Box], int, int]:
+    """Where :func:`map_levels` puts levels of ``sizes`` on its canvas for ``module``:
+    ``(boxes (y, x, h, w) per level, canvas height, canvas width)``."""
+    stride, reach = _geometry(module)
+    g = gutter if gutter is not None else reach + stride  # reach is in input pixels already
+    return _shelf(list(sizes), g, stride)
 
 
 def _geometry(module: Any) -> tuple[int, int]:
@@ -343,12 +360,7 @@ def _common_boxes(mode: CanvasMode, func: Any, tensors: Sequence[Tensor]) -> lis
 def _elementwise(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Any:
     tensors = list(_tensors(args, kwargs))
     boxes = _common_boxes(mode, func, tensors)
-    if (
-        func is F.batch_norm
-        and _bind(args, kwargs, ["input", "rm", "rv", "w", "b", "training"], {"training": False})[
-            "training"
-        ]
-    ):
+    if func is F.batch_norm and _bind_op("batch_norm", args, kwargs)["training"]:
         raise mode.unsupported(
             func, "BatchNorm with batch statistics (they would mix levels and gutters)"
         )
@@ -421,12 +433,7 @@ def _window(
 
 @_crule(torch.conv2d)
 def _conv(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
-        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-    )
+    b = _bind_op("conv", args, kwargs)
     x, w = b["input"], b["weight"]
     if mode.boxes(w) is not None:
         raise mode.unsupported(func, "a canvas as conv weight")
@@ -446,18 +453,12 @@ def _conv(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
 
 @_crule(F.max_pool2d, torch.max_pool2d)
 def _max_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"],
-        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
-    )
+    b = _bind_op("max_pool", args, kwargs)
     if b["return_indices"]:
         raise mode.unsupported(func, "return_indices=True")
     x = b["input"]
-    kernel = _ntuple(b["kernel_size"], 2)
-    stride = _ntuple(b["stride"] if b["stride"] not in (None, [], ()) else kernel, 2)
-    padding, dilation = _ntuple(b["padding"], 2), _ntuple(b["dilation"], 2)
+    kernel, stride, padding = _pool_args(b, 2)
+    dilation = _ntuple(b["dilation"], 2)
     boxes = _window(mode, func, mode.boxes(x), kernel, stride, padding, dilation, b["ceil_mode"])
     filled = torch.where(mode.mask(mode.boxes(x), x.shape, x.device), x, -math.inf)
     out = func(filled, *args[1:], **kwargs) if args else func(**{**kwargs, "input": filled})
@@ -466,60 +467,27 @@ def _max_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
 
 @_crule(F.avg_pool2d)
 def _avg_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        [
-            "input",
-            "kernel_size",
-            "stride",
-            "padding",
-            "ceil_mode",
-            "count_include_pad",
-            "divisor_override",
-        ],
-        {
-            "stride": None,
-            "padding": 0,
-            "ceil_mode": False,
-            "count_include_pad": True,
-            "divisor_override": None,
-        },
-    )
+    b = _bind_op("avg_pool", args, kwargs)
     x = b["input"]
-    kernel = _ntuple(b["kernel_size"], 2)
-    stride = _ntuple(b["stride"] if b["stride"] not in (None, [], ()) else kernel, 2)
-    padding = _ntuple(b["padding"], 2)
+    kernel, stride, padding = _pool_args(b, 2)
     in_boxes = mode.boxes(x)
     boxes = _window(mode, func, in_boxes, kernel, stride, padding, (1, 1), b["ceil_mode"])
     sums = F.avg_pool2d(x, kernel, stride, padding, b["ceil_mode"], True, 1)
     if b["divisor_override"]:
         return mode.rezero(sums / b["divisor_override"], boxes)
+    # PyTorch's divisor for every level's own size, pasted at the level's output box
+    sizes = torch.tensor([[h, w] for _, _, h, w in in_boxes], device=x.device)
+    extent = (max(oh for _, _, oh, _ in boxes), max(ow for _, _, _, ow in boxes))
+    table = _avg_divisor(sizes, extent, kernel, stride, padding, b["count_include_pad"], x.dtype)
     divisor = torch.ones(sums.shape[-2:], dtype=x.dtype, device=x.device)
-    for (_, _, h, w), (oy, ox, oh, ow) in zip(in_boxes, boxes):
-        counts = []
-        for size, m, k, s, p in zip((h, w), (oh, ow), kernel, stride, padding):
-            o = torch.arange(m, device=x.device)
-            start = o * s - p
-            end = torch.clamp(start + k, max=size + p)
-            c = (
-                end - start
-                if b["count_include_pad"]
-                else torch.clamp(end, max=size) - torch.clamp(start, min=0)
-            )
-            counts.append(torch.clamp(c, min=1).to(x.dtype))
-        divisor[oy : oy + oh, ox : ox + ow] = counts[0][:, None] * counts[1][None, :]
+    for level, (oy, ox, oh, ow) in enumerate(boxes):
+        divisor[oy : oy + oh, ox : ox + ow] = table[level, :oh, :ow]
     return mode.rezero(sums / divisor, boxes)
 
 
 @_crule(F.interpolate)
 def _interpolate(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        ["input", "size", "scale_factor", "mode"],
-        {"size": None, "scale_factor": None, "mode": "nearest"},
-    )
+    b = _bind_op("interpolate", args, kwargs)
     if (
         b["mode"] not in ("nearest", "nearest-exact")
         or b["size"] is not None
@@ -535,7 +503,7 @@ def _interpolate(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tens
 
 @_crule(torch.cat)
 def _cat(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(args, kwargs, ["tensors", "dim"], {"dim": 0})
+    b = _bind_op("cat", args, kwargs)
     if b["dim"] % 4 != 1:
         raise mode.unsupported(func, "concatenation other than along channels")
     boxes = _common_boxes(mode, func, list(b["tensors"]))
@@ -560,41 +528,14 @@ def _per_level_normalise(
 
 @_crule(F.group_norm)
 def _group_norm(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        ["input", "num_groups", "weight", "bias", "eps"],
-        {"weight": None, "bias": None, "eps": 1e-5},
-    )
+    b = _bind_op("group_norm", args, kwargs)
     x = b["input"]
     return _per_level_normalise(mode, x, b["num_groups"], b["eps"], b["weight"], b["bias"])
 
 
 @_crule(F.instance_norm)
 def _instance_norm(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        [
-            "input",
-            "running_mean",
-            "running_var",
-            "weight",
-            "bias",
-            "use_input_stats",
-            "momentum",
-            "eps",
-        ],
-        {
-            "running_mean": None,
-            "running_var": None,
-            "weight": None,
-            "bias": None,
-            "use_input_stats": True,
-            "momentum": 0.1,
-            "eps": 1e-5,
-        },
-    )
+    b = _bind_op("instance_norm", args, kwargs)
     x = b["input"]
     if not b["use_input_stats"]:
         return _elementwise(mode, func, args, kwargs)

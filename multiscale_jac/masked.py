@@ -279,6 +279,98 @@ def _bind(
     return out
 
 
+#: Argument names (positional order) and defaults of the functional ops whose arguments rules
+#: read; shared by the padded rules, the canvas rules (``levels``) and ``structured``.
+SIGNATURES: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "conv": (
+        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
+        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    ),
+    "max_pool": (
+        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"],
+        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
+    ),
+    "avg_pool": (
+        [
+            "input",
+            "kernel_size",
+            "stride",
+            "padding",
+            "ceil_mode",
+            "count_include_pad",
+            "divisor_override",
+        ],
+        {
+            "stride": None,
+            "padding": 0,
+            "ceil_mode": False,
+            "count_include_pad": True,
+            "divisor_override": None,
+        },
+    ),
+    "interpolate": (
+        [
+            "input",
+            "size",
+            "scale_factor",
+            "mode",
+            "align_corners",
+            "recompute_scale_factor",
+            "antialias",
+        ],
+        {
+            "size": None,
+            "scale_factor": None,
+            "mode": "nearest",
+            "align_corners": None,
+            "recompute_scale_factor": None,
+            "antialias": False,
+        },
+    ),
+    "batch_norm": (
+        ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"],
+        {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+    ),
+    "group_norm": (
+        ["input", "num_groups", "weight", "bias", "eps"],
+        {"weight": None, "bias": None, "eps": 1e-5},
+    ),
+    "layer_norm": (
+        ["input", "normalized_shape", "weight", "bias", "eps"],
+        {"weight": None, "bias": None, "eps": 1e-5},
+    ),
+    "instance_norm": (
+        [
+            "input",
+            "running_mean",
+            "running_var",
+            "weight",
+            "bias",
+            "use_input_stats",
+            "momentum",
+            "eps",
+        ],
+        {
+            "running_mean": None,
+            "running_var": None,
+            "weight": None,
+            "bias": None,
+            "use_input_stats": True,
+            "momentum": 0.1,
+            "eps": 1e-5,
+        },
+    ),
+    "linear": (["input", "weight", "bias"], {"bias": None}),
+    "cat": (["tensors", "dim"], {"dim": 0}),
+}
+
+
+def _bind_op(kind: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of a :data:`SIGNATURES` op by name, defaults filled in."""
+    names, defaults = SIGNATURES[kind]
+    return _bind(args, kwargs, names, defaults)
+
+
 def _with_input(args: tuple, kwargs: dict, new: Tensor) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with the first argument (``input``) replaced by ``new``."""
     if args:
@@ -583,12 +675,7 @@ def _out_sizes(
 # ---------------------------------------------------------------------- convolution
 @_rule(torch.conv1d, torch.conv2d, torch.conv3d)
 def _conv(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
-        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-    )
+    b = _bind_op("conv", args, kwargs)
     x, w = b["input"], b["weight"]
     if mode.region(w) is not None or (b["bias"] is not None and mode.region(b["bias"]) is not None):
         raise mode.unsupported(func, "a padded tensor as conv weight")
@@ -625,26 +712,7 @@ def _pool_args(b: dict, nsp: int) -> tuple:
 
 def _max_pool(nsp: int) -> Rule:
     def rule(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-        b = _bind(
-            args,
-            kwargs,
-            [
-                "input",
-                "kernel_size",
-                "stride",
-                "padding",
-                "dilation",
-                "ceil_mode",
-                "return_indices",
-            ],
-            {
-                "stride": None,
-                "padding": 0,
-                "dilation": 1,
-                "ceil_mode": False,
-                "return_indices": False,
-            },
-        )
+        b = _bind_op("max_pool", args, kwargs)
         if b["return_indices"]:
             raise mode.unsupported(func, "return_indices=True (indices refer to padded positions)")
         x = b["input"]
@@ -673,26 +741,7 @@ _AVG_POOL = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3}
 @_rule(*_AVG_POOL)
 def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     nsp = _AVG_POOL[func]
-    b = _bind(
-        args,
-        kwargs,
-        [
-            "input",
-            "kernel_size",
-            "stride",
-            "padding",
-            "ceil_mode",
-            "count_include_pad",
-            "divisor_override",
-        ],
-        {
-            "stride": None,
-            "padding": 0,
-            "ceil_mode": False,
-            "count_include_pad": True,
-            "divisor_override": None,
-        },
-    )
+    b = _bind_op("avg_pool", args, kwargs)
     x = b["input"]
     region = _spatial_region(mode, func, x, nsp)
     kernel, stride, padding = _pool_args(b, nsp)
@@ -715,7 +764,7 @@ def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
         )
     else:
         table = _avg_divisor(
-            region, out_extent, kernel, stride, padding, b["count_include_pad"], x.dtype
+            region.sizes, out_extent, kernel, stride, padding, b["count_include_pad"], x.dtype
         )
         divisor = table.index_select(0, mode._index.to(table.device))[0].reshape(
             (1,) * (sums.dim() - nsp) + out_extent
@@ -725,7 +774,7 @@ def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
 
 
 def _avg_divisor(
-    region: Region,
+    sizes: Tensor,
     out_extent: Sequence[int],
     kernel: Sequence[int],
     stride: Sequence[int],
@@ -733,14 +782,14 @@ def _avg_divisor(
     count_include_pad: bool,
     dtype: torch.dtype,
 ) -> Tensor:
-    """Per-sample divisor table ``(N, *out_extent)`` as PyTorch computes it unpadded (1 where
-    the output is padding, to avoid dividing by zero)."""
-    n = region.sizes.shape[0]
-    dev = region.sizes.device
+    """Per-sample divisor table ``(N, *out_extent)`` as PyTorch computes it for inputs of valid
+    size ``sizes`` ``(N, d)`` (1 where the output is padding, to avoid dividing by zero)."""
+    n = sizes.shape[0]
+    dev = sizes.device
     table = torch.ones((n, *out_extent), dtype=dtype, device=dev)
     for k, m in enumerate(out_extent):
         o = torch.arange(m, device=dev).unsqueeze(0)  # (1, m)
-        s_in = region.sizes[:, k : k + 1]  # (N, 1)
+        s_in = sizes[:, k : k + 1]  # (N, 1)
         start = o * stride[k] - padding[k]
         end = torch.minimum(start + kernel[k], s_in + padding[k])
         if count_include_pad:
@@ -891,27 +940,7 @@ def _softmax(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
 # ---------------------------------------------------------------------- upsampling
 @_rule(F.interpolate)
 def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        [
-            "input",
-            "size",
-            "scale_factor",
-            "mode",
-            "align_corners",
-            "recompute_scale_factor",
-            "antialias",
-        ],
-        {
-            "size": None,
-            "scale_factor": None,
-            "mode": "nearest",
-            "align_corners": None,
-            "recompute_scale_factor": None,
-            "antialias": False,
-        },
-    )
+    b = _bind_op("interpolate", args, kwargs)
     x = b["input"]
     nsp = x.dim() - 2
     if b["mode"] not in ("nearest", "nearest-exact"):
@@ -938,7 +967,7 @@ def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tens
 # ---------------------------------------------------------------------- concatenation
 @_rule(torch.cat, torch.concat, torch.concatenate)
 def _cat(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(args, kwargs, ["tensors", "dim"], {"dim": 0})
+    b = _bind_op("cat", args, kwargs)
     tensors = list(b["tensors"])
     out = func(*args, **kwargs)
     dim = b["dim"] % out.dim()
@@ -982,7 +1011,7 @@ def _cat(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
 
 @_rule(torch.stack)
 def _stack(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(args, kwargs, ["tensors", "dim"], {"dim": 0})
+    b = _bind_op("cat", args, kwargs)
     tensors = list(b["tensors"])
     out = func(*args, **kwargs)
     dim = b["dim"] % out.dim()
@@ -1297,12 +1326,7 @@ def _expand_ellipsis(spec: str, n_ell: int, max_ell: int) -> str:
 # ---------------------------------------------------------------------- normalisation
 @_rule(F.batch_norm)
 def _batch_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"],
-        {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
-    )
+    b = _bind_op("batch_norm", args, kwargs)
     if b["training"]:
         raise mode.unsupported(func, "BatchNorm with batch statistics")
     region = mode.region(b["input"])
@@ -1313,12 +1337,7 @@ def _batch_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
 
 @_rule(F.group_norm)
 def _group_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        ["input", "num_groups", "weight", "bias", "eps"],
-        {"weight": None, "bias": None, "eps": 1e-5},
-    )
+    b = _bind_op("group_norm", args, kwargs)
     x = b["input"]
     region = mode.region(x)
     if 1 in region.touched or 0 in region.touched:
@@ -1341,12 +1360,7 @@ def _group_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
 
 @_rule(F.layer_norm)
 def _layer_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        ["input", "normalized_shape", "weight", "bias", "eps"],
-        {"weight": None, "bias": None, "eps": 1e-5},
-    )
+    b = _bind_op("layer_norm", args, kwargs)
     x = b["input"]
     region = mode.region(x)
     k = len(_ntuple(b["normalized_shape"], 1))
@@ -1365,29 +1379,7 @@ def _layer_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
 
 @_rule(F.instance_norm)
 def _instance_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(
-        args,
-        kwargs,
-        [
-            "input",
-            "running_mean",
-            "running_var",
-            "weight",
-            "bias",
-            "use_input_stats",
-            "momentum",
-            "eps",
-        ],
-        {
-            "running_mean": None,
-            "running_var": None,
-            "weight": None,
-            "bias": None,
-            "use_input_stats": True,
-            "momentum": 0.1,
-            "eps": 1e-5,
-        },
-    )
+    b = _bind_op("instance_norm", args, kwargs)
     x = b["input"]
     region = mode.region(x)
     if 1 in region.touched or 0 in region.touched:

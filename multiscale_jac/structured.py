@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["StructuredMode", "structured_kind"]
+from .masked import _bind_op, _ntuple, _tensors
+
+__all__ = ["StructuredMode", "dense_weight", "structured_kind"]
 
 
 def structured_kind(module_types: set[type]) -> str | None:
@@ -53,7 +55,8 @@ def structured_kind(module_types: set[type]) -> str | None:
     return found.pop() if len(found) == 1 and None not in found else None
 
 
-def _dense(w0: Tensor, idx: Tensor, v: Tensor) -> Tensor:
+def dense_weight(w0: Tensor, idx: Tensor, v: Tensor) -> Tensor:
+    """``w0`` with the entries at flat indices ``idx`` replaced by ``v`` (differentiable)."""
     return w0.reshape(-1).index_put((idx,), v).view(w0.shape)
 
 
@@ -77,7 +80,7 @@ class _SelectedConv(torch.autograd.Function):
 
     @staticmethod
     def forward(x, w0, v, idx, stride, padding, dilation, groups):  # type: ignore[override]
-        return F.conv2d(x, _dense(w0, idx, v), None, stride, padding, dilation, groups)
+        return F.conv2d(x, dense_weight(w0, idx, v), None, stride, padding, dilation, groups)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
@@ -100,7 +103,7 @@ class _SelectedConv(torch.autograd.Function):
         stride, padding, dilation, groups = ctx.conv
         out = None
         if x_t is not None:
-            out = F.conv2d(x_t, _dense(w0, idx, v), None, stride, padding, dilation, groups)
+            out = F.conv2d(x_t, dense_weight(w0, idx, v), None, stride, padding, dilation, groups)
         if v_t is not None:
             o, cols = _SelectedConv._columns(ctx, x, w0, idx)
             # (C_out, k) weights of the selected entries' tangents, then one GEMM with the columns
@@ -119,7 +122,7 @@ class _SelectedConv(torch.autograd.Function):
         gx = gv = None
         if ctx.needs_input_grad[0]:
             gx = torch.nn.grad.conv2d_input(
-                x.shape, _dense(w0, idx, v), gy, stride, padding, dilation, groups
+                x.shape, dense_weight(w0, idx, v), gy, stride, padding, dilation, groups
             )
         if ctx.needs_input_grad[2]:
             o, cols = _SelectedConv._columns(ctx, x, w0, idx)
@@ -135,7 +138,7 @@ class _SelectedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, w0, v, idx):  # type: ignore[override]
-        return F.linear(x, _dense(w0, idx, v))
+        return F.linear(x, dense_weight(w0, idx, v))
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
@@ -146,7 +149,7 @@ class _SelectedLinear(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, x_t, w0_t, v_t, idx_t):  # type: ignore[override]
         x, w0, v, idx = ctx.saved_tensors
-        out = None if x_t is None else F.linear(x_t, _dense(w0, idx, v))
+        out = None if x_t is None else F.linear(x_t, dense_weight(w0, idx, v))
         if v_t is not None:
             cin = w0.shape[1]
             contrib = x.index_select(-1, idx % cin) * v_t  # (..., k)
@@ -159,23 +162,12 @@ class _SelectedLinear(torch.autograd.Function):
         x, w0, v, idx = ctx.saved_tensors
         gx = gv = None
         if ctx.needs_input_grad[0]:
-            gx = gy @ _dense(w0, idx, v)
+            gx = gy @ dense_weight(w0, idx, v)
         if ctx.needs_input_grad[2]:
             cin = w0.shape[1]
             g = gy.index_select(-1, idx // cin) * x.index_select(-1, idx % cin)
             gv = g.reshape(-1, idx.numel()).sum(0)
         return gx, None, gv, None
-
-
-def _bind(args: tuple, kwargs: dict, names: list[str], defaults: dict[str, Any]) -> dict:
-    out = dict(defaults)
-    out.update(zip(names, args))
-    out.update(kwargs)
-    return out
-
-
-def _pair(v: Any, n: int) -> tuple:
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
 
 class StructuredMode(TorchFunctionMode):
@@ -189,7 +181,6 @@ class StructuredMode(TorchFunctionMode):
     def __init__(self, entries: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]]) -> None:
         super().__init__()
         self.entries = entries
-        self.used: set[int] = set()
 
     def _entry(self, t: Any) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         e = self.entries.get(id(t)) if isinstance(t, Tensor) else None
@@ -199,18 +190,17 @@ class StructuredMode(TorchFunctionMode):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None:
-            b = handler[1](args, kwargs)
+            b = _bind_op(handler[1], args, kwargs)
             e = self._entry(b["weight"])
             if e is not None:
-                self.used.add(id(e[0]))
                 return handler[0](b, e)
-        if not any(self._entry(a) is not None for a in _flat(args, kwargs)):
+        if not any(self._entry(a) is not None for a in _tensors(args, kwargs)):
             return func(*args, **kwargs)
 
         # any other use of a registered weight: the dense reparametrised weight
         def swap(a: Any) -> Any:
             e = self._entry(a)
-            return _dense(e[1], e[2], e[3]) if e is not None else a
+            return dense_weight(e[1], e[2], e[3]) if e is not None else a
 
         args = tuple(
             swap(a) if not isinstance(a, (list, tuple)) else type(a)(map(swap, a)) for a in args
@@ -219,39 +209,22 @@ class StructuredMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _flat(args: tuple, kwargs: dict):
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
-
-
-def _conv_bind(args: tuple, kwargs: dict) -> dict:
-    return _bind(
-        args,
-        kwargs,
-        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
-        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-    )
-
-
 def _conv_nd(b: dict, e: tuple, nd: int) -> Tensor:
     _, w0, idx, v = e
     x, padding = b["input"], b["padding"]
     if isinstance(padding, str):
         k = tuple(w0.shape[2:])
-        d = _pair(b["dilation"], nd)
+        d = _ntuple(b["dilation"], nd)
         if padding == "valid":
             padding = (0,) * nd
         elif any(dd * (kk - 1) % 2 for dd, kk in zip(d, k)):  # asymmetric 'same': dense path
             conv = F.conv2d if nd == 2 else F.conv1d
-            dense = _dense(w0, idx, v)
+            dense = dense_weight(w0, idx, v)
             return conv(x, dense, b["bias"], b["stride"], padding, b["dilation"], b["groups"])
         else:
             padding = tuple(dd * (kk - 1) // 2 for dd, kk in zip(d, k))
-    stride, dilation = _pair(b["stride"], nd), _pair(b["dilation"], nd)
-    padding = _pair(padding, nd)
+    stride, dilation = _ntuple(b["stride"], nd), _ntuple(b["dilation"], nd)
+    padding = _ntuple(padding, nd)
     unbatched = x.dim() == nd + 1
     if unbatched:
         x = x.unsqueeze(0)
@@ -279,13 +252,8 @@ def _linear(b: dict, e: tuple) -> Tensor:
     return y if b["bias"] is None else y + b["bias"]
 
 
-_HANDLERS: dict[Any, tuple[Callable, Callable]] = {
-    F.conv2d: (lambda b, e: _conv_nd(b, e, 2), _conv_bind),
-    torch.conv2d: (lambda b, e: _conv_nd(b, e, 2), _conv_bind),
-    F.conv1d: (lambda b, e: _conv_nd(b, e, 1), _conv_bind),
-    torch.conv1d: (lambda b, e: _conv_nd(b, e, 1), _conv_bind),
-    F.linear: (
-        _linear,
-        lambda a, k: _bind(a, k, ["input", "weight", "bias"], {"bias": None}),
-    ),
+_HANDLERS: dict[Any, tuple[Callable, str]] = {
+    torch.conv2d: (lambda b, e: _conv_nd(b, e, 2), "conv"),
+    torch.conv1d: (lambda b, e: _conv_nd(b, e, 1), "conv"),
+    F.linear: (_linear, "linear"),
 }

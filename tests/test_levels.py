@@ -216,6 +216,25 @@ def test_bad_input(levels, kwargs, message) -> None:
         map_levels(nn.Identity(), levels, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("module", "kwargs", "error", "message"),
+    [
+        ("conv", {}, TypeError, "module must be callable; got str"),
+        (nn.Identity(), {"strict": 1}, TypeError, "strict must be True or False; got 1"),
+        (
+            nn.Identity(),
+            {"gutter": True},
+            ValueError,
+            "gutter must be a non-negative int; got True",
+        ),
+    ],
+    ids=["module", "strict", "gutter-bool"],
+)
+def test_bad_argument_types(module, kwargs, error, message) -> None:
+    with pytest.raises(error, match=message):
+        map_levels(module, [torch.zeros(1, 3, 4, 4)], **kwargs)
+
+
 # ---------------------------------------------------------------------- under the engine
 def _shared_head_pair():
     torch.manual_seed(0)
