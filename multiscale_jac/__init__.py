@@ -16,6 +16,7 @@ from .adapter import PerSampleFunction
 from .engine import per_sample_jacobian
 from .enums import (
     BatchNormPolicy,
+    Entries,
     FallbackWarning,
     InputKind,
     Layout,
@@ -52,6 +53,7 @@ __all__ = [
     "reference",
     # option enums and warnings
     "BatchNormPolicy",
+    "Entries",
     "FallbackWarning",
     "InputKind",
     "Layout",

@@ -22,9 +22,11 @@ import torch
 from torch import Tensor
 
 from .adapter import PerSampleFunction
-from .enums import Mode
+from .entries import NotStructuredError
+from .enums import Entries, Mode
 
 __all__ = [
+    "EntryCost",
     "Footprint",
     "Plan",
     "estimate_seconds",
@@ -32,6 +34,8 @@ __all__ = [
     "minimum_bytes",
     "per_sample_bytes",
     "plan_chunks",
+    "choose_mode",
+    "survey",
 ]
 
 #: Working-set target per vectorised call when neither ``chunk_size`` nor ``memory_budget`` is
@@ -145,8 +149,8 @@ def minimum_bytes(fp: Footprint, *, mode: Mode, numel: int, itemsize: int, sampl
 #: masked execution costs (a where() and an index_select per op). CPU numbers were measured with
 #: TinyFPN on 2 cores (torch 2.13, float32); CUDA numbers are estimates until measured.
 COST_CONSTANTS = {
-    "cpu": {"call_s": 3e-3, "unit_s": 1.2e-9, "masked": 1.3},
-    "cuda": {"call_s": 4e-3, "unit_s": 2e-12, "masked": 1.3},
+    "cpu": {"call_s": 3e-3, "unit_s": 1.2e-9, "masked": 1.3, "work_s": 2e-10},
+    "cuda": {"call_s": 4e-3, "unit_s": 2e-12, "masked": 1.3, "work_s": 2e-13},
 }
 
 
@@ -174,3 +178,83 @@ def estimate_seconds(
         width = fp.outputs if mode is Mode.REV else numel
         total += calls * passes * c["call_s"] + samples * fp.activations * width * c["unit_s"]
     return total * factor
+
+
+# ---------------------------------------------------------------------- mode and entries
+@dataclass(frozen=True)
+class EntryCost:
+    """Per-tangent work of one selected tensor, from one structured forward pass of one sample
+    (:class:`~multiscale_jac.entries.EntryMode`, no tangents): ``structured`` for the structured
+    pass (``None`` if it cannot run the model), ``generic`` for one-hot tangents through the
+    same ops (multiply-adds of conv/linear layers, elements of other ops)."""
+
+    structured: int | None
+    generic: int
+
+
+def survey(
+    fn: PerSampleFunction, values: tuple[Tensor, ...], levels: tuple[Tensor, ...]
+) -> dict[str, EntryCost]:
+    """:class:`EntryCost` of every selected tensor (one primal forward pass each)."""
+    costs: dict[str, EntryCost] = {}
+    with torch.no_grad():
+        for pos, name in enumerate(fn.subset.names):
+            rec: dict[str, int] = {}
+            try:
+                fn.entry_call(
+                    name, values, levels, values[pos], values[pos].new_zeros(()), stats=rec
+                )
+            except NotStructuredError:
+                costs[name] = EntryCost(None, rec.get("dense_work", 0))
+                continue
+            structurable = name in fn.entry_names and rec["entry"] + rec["dense_entry"] > 0
+            costs[name] = EntryCost(rec["work"] if structurable else None, rec["dense_work"])
+    return costs
+
+
+def choose_mode(
+    costs: dict[str, EntryCost],
+    *,
+    numel: dict[str, int],
+    outputs: float,
+    samples: int,
+    mode: Mode,
+    entries: Entries,
+    device: torch.device,
+) -> tuple[Mode, tuple[str, ...], dict[str, float]]:
+    """Pick ``rev``/``fwd`` (when ``mode`` is ``auto``) and the tensors that run structured.
+
+    Per sample, with ``O`` outputs, ``k_t`` entries of tensor ``t`` and per-tangent work
+    ``w_t`` (structured) / ``d_t`` (generic) from :func:`survey`:
+
+    * fwd: ``sum_t k_t (min(w_t, d_t) + O)`` (``w_t`` only with ``entries`` auto/structured);
+    * rev: ``O (2 max_t d_t + P)``: one backward per output row through every op after the
+      earliest selected tensor (input and weight gradients), then the row written.
+
+    Times ``work_s`` and the sample count, plus ``call_s`` per vectorised call (one per tensor in
+    fwd, one in rev). Returns the mode, the structured tensors (in fwd: those whose structured
+    work is lower; in rev: every candidate when ``entries='structured'``) and the estimates in
+    seconds (keys ``fwd``, ``rev``).
+    """
+    c = COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])
+    use = {
+        n: ec.structured is not None
+        and entries is not Entries.GENERIC
+        and (entries is Entries.STRUCTURED or ec.structured < ec.generic)
+        for n, ec in costs.items()
+    }
+    fwd_work = sum(
+        numel[n] * ((ec.structured if use[n] else ec.generic) + outputs)  # type: ignore[operator]
+        for n, ec in costs.items()
+    )
+    dense = max((ec.generic for ec in costs.values()), default=0)
+    rev_work = outputs * (2 * dense + sum(numel.values()))
+    est = {
+        "fwd": samples * fwd_work * c["work_s"] + len(costs) * c["call_s"],
+        "rev": samples * rev_work * c["work_s"] + c["call_s"],
+    }
+    if mode is Mode.AUTO:
+        mode = Mode.FWD if est["fwd"] <= est["rev"] else Mode.REV
+    if mode is Mode.FWD:
+        return mode, tuple(n for n in costs if use[n]), est
+    return mode, (tuple(costs) if entries is Entries.STRUCTURED else ()), est

@@ -15,6 +15,7 @@ The model itself is never changed: parameters are substituted with
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
+from .entries import EntryGeometry, EntryMode, entry_geometry
 from .enums import InputKind
 from .structured import StructuredMode, dense_weight, structured_kind
 from .subset import ParamSubset
@@ -86,22 +88,41 @@ class PerSampleFunction:
             n: (None if i is None else i.to(self._base[n].device))
             for n, i in subset.indices.items()
         }
-        #: selected tensors that go through the structured conv/linear functions
-        self.structured_names: tuple[str, ...] = ()
-        if structured:
-            owners: dict[int, set[type]] = {}
-            for m in model.modules():
-                w = getattr(m, "weight", None)
-                if isinstance(w, Tensor):
-                    owners.setdefault(id(w), set()).add(type(m))
-            self.structured_names = tuple(
-                n
-                for n in subset.names
-                if self._flat_idx[n] is not None
-                # a large share of the tensor is cheaper through the dense weight
-                and 2 * self._flat_idx[n].numel() <= params[n].numel()
-                and structured_kind(owners.get(id(params[n]), set())) is not None
-            )
+        self._geometry: dict[str, EntryGeometry] = {}
+        owners: dict[int, set[tuple[type, str]]] = {}
+        for m in model.modules():
+            for role in ("weight", "bias"):
+                t = getattr(m, role, None)
+                if isinstance(t, Tensor):
+                    owners.setdefault(id(t), set()).add((type(m), role))
+
+        def kind_of(name: str) -> tuple[str | None, str | None]:
+            found = owners.get(id(params[name]), set())
+            roles = {r for _, r in found}
+            return structured_kind({t for t, _ in found}), roles.pop() if len(roles) == 1 else None
+
+        #: selected weights/biases of conv1d/conv2d/linear modules: the structured forward pass
+        #: (:mod:`~multiscale_jac.entries`) can run them
+        self.entry_names: tuple[str, ...] = tuple(n for n in subset.names if None not in kind_of(n))
+        #: selected weight entries that go through the structured reverse functions
+        #: (:mod:`~multiscale_jac.structured`) in ``__call__``
+        self.rev_structured_names: tuple[str, ...] = tuple(
+            n
+            for n in subset.names
+            if self._flat_idx[n] is not None
+            # a large share of the tensor is cheaper through the dense weight
+            and 2 * self._flat_idx[n].numel() <= params[n].numel()
+            and kind_of(n)[0] is not None
+            and kind_of(n)[1] == "weight"
+        )
+        self.structured_names: tuple[str, ...] = self.rev_structured_names if structured else ()
+
+    def with_structured(self, names: tuple[str, ...]) -> PerSampleFunction:
+        """A copy whose ``__call__`` runs ``names`` (a subset of :attr:`rev_structured_names`)
+        through the structured reverse-mode functions."""
+        other = copy.copy(self)
+        other.structured_names = tuple(n for n in names if n in self.rev_structured_names)
+        return other
 
     @property
     def params(self) -> dict[str, Tensor]:
@@ -168,6 +189,55 @@ class PerSampleFunction:
             if self.output_fn is not None:
                 out = self.output_fn(out)
             return flatten_output(out)
+
+    def entry_geometry(self, name: str) -> EntryGeometry:
+        """Output channel and position of the selected entries of ``name`` (see
+        :mod:`~multiscale_jac.entries`)."""
+        if name not in self._geometry:
+            base = self._base[name]
+            self._geometry[name] = entry_geometry(
+                tuple(base.shape), self._flat_idx[name], base.device
+            )
+        return self._geometry[name]
+
+    def entry_call(
+        self,
+        name: str,
+        values: tuple[Tensor, ...],
+        levels: tuple[Tensor, ...],
+        v: Tensor,
+        c0: Tensor,
+        *,
+        stats: dict[str, int] | None = None,
+    ) -> Tensor:
+        """The flat output ``(O,)`` of one sample with the structured forward pass for the
+        entries of ``name`` (:class:`~multiscale_jac.entries.EntryMode`).
+
+        Args:
+            name: The selected tensor whose entries carry tangents.
+            values: All selected values (primal); ``name``'s are replaced by ``v``.
+            levels: The sample's levels.
+            v: ``name``'s selected values, carrying the one-hot tangent ``e_j``.
+            c0: A scalar zero carrying the tangent ``j``.
+            stats: If given, updated with the counts of what the pass ran and its per-tangent
+                ``work`` / ``dense_work`` (see :class:`~multiscale_jac.entries.EntryMode`).
+        """
+        params = self.full_params(values)
+        base = self._base[name]
+        alias = base.view_as(base)  # a fresh object the mode recognises
+        mode = EntryMode(
+            alias,
+            params[name].detach(),
+            lambda: self._place(name, v),
+            c0,
+            self.entry_geometry(name),
+        )
+        params[name] = alias
+        out = self.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
+        if stats is not None:
+            for k, n in (*mode.stats.items(), ("work", mode.work), ("dense_work", mode.dense_work)):
+                stats[k] = stats.get(k, 0) + n
+        return out
 
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
         if not self.structured_names:

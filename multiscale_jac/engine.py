@@ -42,9 +42,28 @@ from ._checks import (
     check_output_fn,
     check_train_mode_layers,
 )
-from ._planning import Footprint, Plan, estimate_seconds, measure, minimum_bytes, plan_chunks
+from ._planning import (
+    Footprint,
+    Plan,
+    choose_mode,
+    estimate_seconds,
+    measure,
+    minimum_bytes,
+    plan_chunks,
+    survey,
+)
 from .adapter import PerSampleFunction
-from .enums import BatchNormPolicy, FallbackWarning, Layout, Mode, Randomness, Strategy, parse_enum
+from .entries import NotStructuredError
+from .enums import (
+    BatchNormPolicy,
+    Entries,
+    FallbackWarning,
+    Layout,
+    Mode,
+    Randomness,
+    Strategy,
+    parse_enum,
+)
 from .masked import PaddedFunction, UnsupportedOpError
 from .packing import PackedBatch, pack
 from .reference import loop_jacobian
@@ -66,6 +85,7 @@ def per_sample_jacobian(
     memory_budget: int | None = None,
     randomness: str | Randomness = "error",
     batch_norm: str | BatchNormPolicy = "error",
+    entries: str | Entries = "auto",
     strict: bool = False,
 ) -> JacobianResult:
     """Per-sample Jacobians of ``model``'s outputs w.r.t. a subset of its parameters.
@@ -85,6 +105,10 @@ def per_sample_jacobian(
         randomness: ``"error"``, ``"different"`` or ``"same"``, for random ops such as dropout in
             train mode, as in ``torch.func.vmap``.
         batch_norm: ``"error"`` or ``"eval"``: what to do with BatchNorm layers in train mode.
+        entries: ``"auto"``, ``"structured"`` or ``"generic"``: how columns of conv/linear
+            weights and biases are computed (:class:`~multiscale_jac.enums.Entries`); ``auto``
+            picks per tensor by the cost model. The result's ``structured`` lists what ran
+            structured.
         strict: Raise instead of falling back to another strategy.
 
     Returns:
@@ -100,6 +124,7 @@ def per_sample_jacobian(
     strategy = parse_enum(Strategy, strategy, "strategy")
     randomness = parse_enum(Randomness, randomness, "randomness")
     batch_norm = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
+    entries = parse_enum(Entries, entries, "entries")
     chunk_size = check_chunk_size(chunk_size)
     memory_budget = check_memory_budget(memory_budget)
     strict = check_bool(strict, "strict")
@@ -127,6 +152,7 @@ def per_sample_jacobian(
         chunk_size=chunk_size,
         memory_budget=memory_budget,
         randomness=randomness,
+        entries=entries,
         strict=strict,
     )
 
@@ -140,6 +166,7 @@ def _jacobian_impl(
     chunk_size: int | None,
     memory_budget: int | None,
     randomness: Randomness,
+    entries: Entries,
     strict: bool,
 ) -> JacobianResult:
     record = {"requested_strategy": strategy, "requested_mode": mode, "subset": fn.subset}
@@ -166,7 +193,9 @@ def _jacobian_impl(
         if num_buckets == 1:
             ran = Strategy.VMAP
         else:
-            ran, plan = _choose(fn, packed, mode, chunk_size, memory_budget, randomness, notes)
+            ran, plan = _choose(
+                fn, packed, mode, chunk_size, memory_budget, randomness, entries, notes
+            )
     elif strategy is Strategy.VMAP and num_buckets > 1:
         ran = fall_back(
             f"strategy='vmap' needs one shape signature but the batch has {num_buckets}",
@@ -178,7 +207,9 @@ def _jacobian_impl(
         # except for ops the padded strategy has no rule for
         try:
             if plan is None or plan.strategy is not ran:
-                plan = _plan(fn, packed, ran, mode, chunk_size, memory_budget, randomness)
+                plan = _plan(
+                    fn, packed, ran, mode, chunk_size, memory_budget, randomness, entries, notes
+                )
         except UnsupportedOpError as err:
             ran = fall_back(
                 f"strategy 'padded' cannot run this model ({err})", Strategy.BUCKETED, err
@@ -196,7 +227,7 @@ def _jacobian_impl(
             continue
         try:
             with torch.no_grad():
-                jac = _run(plan, fn.subset, fn.values(), randomness)
+                jac, structured = _run(plan, fn, randomness, notes)
         except (RuntimeError, NotImplementedError) as err:
             if randomness is Randomness.ERROR and "randomness" in str(err):
                 raise ValueError(
@@ -230,6 +261,7 @@ def _jacobian_impl(
             inner_chunk_size=_min_or_none(g.chunks.inner for g in plan.groups),
             fallback="; then ".join(fallbacks) or None,
             notes=tuple(notes),
+            structured=structured,
             **record,
         )
     jac, mask, sizes = loop_jacobian(fn, packed)
@@ -252,40 +284,66 @@ def _choose(
     chunk_size: int | None,
     memory_budget: int | None,
     randomness: Randomness,
+    entries: Entries,
     notes: list[str],
 ) -> tuple[Strategy, _VectorPlan]:
     """``auto`` on a batch with several shape signatures: plan ``bucketed`` and ``padded`` and
     keep the one the cost model (``_planning.estimate_seconds``) expects to be faster. A model
-    that padded execution cannot run is a choice, not a fallback: it is noted, not warned."""
-    bucketed = _plan(fn, packed, Strategy.BUCKETED, mode, chunk_size, memory_budget, randomness)
+    that padded execution cannot run is a choice, not a fallback: it is noted, not warned.
+    The strategy note comes first, then the chosen plan's mode notes."""
+    plan_notes: dict[Strategy, list[str]] = {Strategy.BUCKETED: [], Strategy.PADDED: []}
+
+    def plan(strategy: Strategy) -> _VectorPlan:
+        return _plan(
+            fn,
+            packed,
+            strategy,
+            mode,
+            chunk_size,
+            memory_budget,
+            randomness,
+            entries,
+            plan_notes[strategy],
+        )
+
+    def chose(best: Strategy, note: str, chosen: _VectorPlan) -> tuple[Strategy, _VectorPlan]:
+        notes.append(note)
+        notes.extend(plan_notes[best])
+        return best, chosen
+
+    bucketed = plan(Strategy.BUCKETED)
     bucketed_s = _cost(bucketed)
     bound = _padded_lower_bound(bucketed)
     if bound >= bucketed_s:
         # planning padded costs a masked forward pass: skip it when it cannot win
-        notes.append(
+        return chose(
+            Strategy.BUCKETED,
             f"auto: estimated bucketed {bucketed_s * 1e3:.1f} ms, padded at least "
-            f"{bound * 1e3:.1f} ms; chose 'bucketed'"
+            f"{bound * 1e3:.1f} ms; chose 'bucketed'",
+            bucketed,
         )
-        return Strategy.BUCKETED, bucketed
     try:
-        padded = _plan(fn, packed, Strategy.PADDED, mode, chunk_size, memory_budget, randomness)
+        padded = plan(Strategy.PADDED)
     except UnsupportedOpError as err:
-        notes.append(f"auto: 'padded' not possible ({err}); chose 'bucketed'")
-        return Strategy.BUCKETED, bucketed
-    except RuntimeError as err:
-        notes.append(
-            f"auto: 'padded' not possible ({type(err).__name__} in its planning pass: "
-            f"{_first_line(err)}); chose 'bucketed'"
+        return chose(
+            Strategy.BUCKETED, f"auto: 'padded' not possible ({err}); chose 'bucketed'", bucketed
         )
-        return Strategy.BUCKETED, bucketed
+    except RuntimeError as err:
+        return chose(
+            Strategy.BUCKETED,
+            f"auto: 'padded' not possible ({type(err).__name__} in its planning pass: "
+            f"{_first_line(err)}); chose 'bucketed'",
+            bucketed,
+        )
     costs = {Strategy.BUCKETED: bucketed_s, Strategy.PADDED: _cost(padded)}
     best = min(costs, key=costs.__getitem__)
-    notes.append(
+    return chose(
+        best,
         "auto: estimated "
         + ", ".join(f"{k.value} {v * 1e3:.1f} ms" for k, v in costs.items())
-        + f"; chose {best.value!r}"
+        + f"; chose {best.value!r}",
+        bucketed if best is Strategy.BUCKETED else padded,
     )
-    return best, bucketed if best is Strategy.BUCKETED else padded
 
 
 def _padded_lower_bound(bucketed: _VectorPlan) -> float:
@@ -352,6 +410,7 @@ class _VectorPlan:
     num_samples: int
     numel: int
     device: torch.device
+    structured: tuple[str, ...] = ()  # tensors run by the structured path
 
 
 def _plan(
@@ -362,8 +421,11 @@ def _plan(
     chunk_size: int | None,
     memory_budget: int | None,
     randomness: Randomness,
+    entries: Entries,
+    notes: list[str],
 ) -> _VectorPlan:
-    """Measure one sample per group, pick the mode and the chunks (see ``_planning``)."""
+    """Measure one sample per group, pick the mode, the structured tensors and the chunks
+    (see ``_planning``)."""
     values = fn.values()
     numel = fn.subset.numel
     itemsize = values[0].element_size()
@@ -397,8 +459,41 @@ def _plan(
             for i in b.indices:
                 sizes[i] = fp.outputs
             raw.append((b.indices, fn, packed.stack, fp, None))
-    if mode is Mode.AUTO:
-        mode = Mode.FWD if numel < sum(sizes) / n else Mode.REV
+    structured: tuple[str, ...] = ()
+    per_tensor = randomness is Randomness.ERROR  # fwd spans are single tensors
+    if strategy is Strategy.PADDED or (mode is Mode.FWD and not per_tensor):
+        if mode is Mode.AUTO:
+            mode = Mode.FWD if numel < sum(sizes) / n else Mode.REV
+        if entries is Entries.STRUCTURED:
+            notes.append(
+                "mode: structured entries need a bucketed/vmap strategy and per-tensor "
+                "tangents (randomness='error'); ran generic"
+            )
+    elif mode is not Mode.AUTO and entries is Entries.GENERIC:
+        pass
+    else:
+        first = raw[0][2](raw[0][0][:1])
+        costs = survey(fn, values, tuple(t[0] for t in first))
+        counts = {name: fn.subset.offsets[name][1] - fn.subset.offsets[name][0] for name in costs}
+        requested = mode
+        mode, structured, est = choose_mode(
+            costs,
+            numel=counts,
+            outputs=sum(sizes) / n,
+            samples=n,
+            mode=mode,
+            entries=entries if per_tensor else Entries.GENERIC,
+            device=values[0].device,
+        )
+        if mode is Mode.REV:
+            structured = fn.with_structured(structured).structured_names
+        if requested is Mode.AUTO:
+            notes.append(
+                f"mode: estimated fwd {est['fwd'] * 1e3:.1f} ms, rev {est['rev'] * 1e3:.1f} ms; "
+                f"chose {mode.value!r}"
+            )
+        if structured:
+            notes.append(f"mode: structured entries for {', '.join(structured)}")
     spans = _tangent_groups(fn.subset, mode, randomness)
 
     available = None
@@ -423,10 +518,11 @@ def _plan(
                 f"takes {result_bytes} and {per_call} with one {unit} at a time needs {need}"
             )
         available = memory_budget - result_bytes
+    rev_fn = fn.with_structured(structured) if mode is Mode.REV and structured else fn
     groups = [
         _Group(
             indices=idx,
-            fn=gfn,
+            fn=rev_fn if gfn is fn else gfn,
             levels=levels,
             outputs=fp.outputs,
             footprint=fp,
@@ -445,13 +541,19 @@ def _plan(
         )
         for idx, gfn, levels, fp, table in raw
     ]
-    return _VectorPlan(strategy, mode, groups, spans, tuple(sizes), n, numel, values[0].device)
+    return _VectorPlan(
+        strategy, mode, groups, spans, tuple(sizes), n, numel, values[0].device, structured
+    )
 
 
 def _run(
-    plan: _VectorPlan, subset: ParamSubset, values: tuple[Tensor, ...], randomness: Randomness
-) -> Tensor:
-    """Fill the ``(N, O, P)`` result group by group, chunk by chunk."""
+    plan: _VectorPlan, fn: PerSampleFunction, randomness: Randomness, notes: list[str]
+) -> tuple[Tensor, tuple[str, ...]]:
+    """Fill the ``(N, O, P)`` result group by group, chunk by chunk; also returns the tensors
+    that ran structured (a structured pass that meets an op it cannot run exactly is redone
+    generically, with a note)."""
+    subset, values = fn.subset, fn.values()
+    structured = list(plan.structured) if plan.mode is Mode.FWD else []
     jac = values[0].new_zeros((plan.num_samples, max(plan.sizes), subset.numel))
     for g in plan.groups:
         o = g.outputs
@@ -465,16 +567,32 @@ def _run(
                     for name, blk in zip(subset.names, blocks)
                 ]
             else:
-                parts = [
-                    (
-                        span,
-                        _fwd_block(g.fn, subset, values, levels, span, g.chunks.inner, randomness),
-                    )
-                    for span in plan.spans
-                ]
+                parts = []
+                for span in plan.spans:
+                    name = _span_tensor(subset, span)
+                    blk = None
+                    if name in structured:
+                        try:
+                            blk = _entry_block(fn, name, values, levels, g.chunks.inner, randomness)
+                        except NotStructuredError as err:
+                            structured.remove(name)
+                            notes.append(f"{name}: structured pass stopped ({err}); ran generic")
+                    if blk is None:
+                        blk = _fwd_block(
+                            g.fn, subset, values, levels, span, g.chunks.inner, randomness
+                        )
+                    parts.append((span, blk))
             for (lo, hi), blk in parts:
                 _write(jac, idx, blk, lo, hi, g.table)
-    return jac
+    return jac, tuple(structured) if plan.mode is Mode.FWD else plan.structured
+
+
+def _span_tensor(subset: ParamSubset, span: tuple[int, int]) -> str | None:
+    """The tensor whose columns are exactly ``span``, if any."""
+    for name in subset.names:
+        if subset.offsets[name] == span:
+            return name
+    return None
 
 
 def _write(
@@ -549,6 +667,46 @@ def _fwd_block(
             basis = vals[0].new_zeros((c, width))
             basis[torch.arange(c), torch.arange(s, s + c)] = 1
             cols.append(vmap(one, randomness=inner_rand)(basis))
+        return torch.cat(cols).transpose(0, 1)
+
+    in_dims = (None,) + (0,) * len(levels)
+    return vmap(per_sample, in_dims=in_dims, randomness=randomness.value)(values, *levels)
+
+
+def _entry_block(
+    fn: PerSampleFunction,
+    name: str,
+    values: tuple[Tensor, ...],
+    levels: list[Tensor],
+    inner: int | None,
+    randomness: Randomness,
+    stats: dict[str, int] | None = None,
+) -> Tensor:
+    """``(n, O, k)``: the columns of tensor ``name`` by the structured forward pass
+    (:mod:`~multiscale_jac.entries`): tangent ``e_j`` on its values and ``j`` on a dummy
+    scalar, one entry per tangent, vmapped over entries and samples."""
+    pos = fn.subset.names.index(name)
+    v0 = values[pos]
+    k = v0.numel()
+    step = inner or k
+    inner_rand = "error" if randomness is Randomness.ERROR else "same"
+
+    def per_sample(vals: tuple[Tensor, ...], *lv: Tensor) -> Tensor:
+        c0 = v0.new_zeros(())
+
+        def f(v: Tensor, c: Tensor) -> Tensor:
+            return fn.entry_call(name, vals, lv, v, c, stats=stats)
+
+        def one(hot: Tensor, j: Tensor) -> Tensor:
+            return jvp(f, (vals[pos], c0), (hot.view_as(v0), j))[1]
+
+        cols = []
+        for s in range(0, k, step):
+            c = min(step, k - s)
+            hot = v0.new_zeros((c, k))
+            hot[torch.arange(c), torch.arange(s, s + c)] = 1
+            j = torch.arange(s, s + c, dtype=v0.dtype, device=v0.device)
+            cols.append(vmap(one, randomness=inner_rand)(hot, j))
         return torch.cat(cols).transpose(0, 1)
 
     in_dims = (None,) + (0,) * len(levels)

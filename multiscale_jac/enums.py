@@ -12,6 +12,7 @@ from typing import TypeVar
 
 __all__ = [
     "BatchNormPolicy",
+    "Entries",
     "FallbackWarning",
     "InputKind",
     "Layout",
@@ -57,6 +58,17 @@ class Mode(_StrEnum):
     AUTO = "auto"
     REV = "rev"
     FWD = "fwd"
+
+
+class Entries(_StrEnum):
+    """How Jacobian columns of conv/linear weight and bias entries are computed: ``structured``
+    (the layer's closed form, :mod:`~multiscale_jac.entries` forward /
+    :mod:`~multiscale_jac.structured` reverse), ``generic`` (one-hot tangents or full
+    gradients of the reparametrised tensor), or ``auto`` (per tensor, by the cost model)."""
+
+    AUTO = "auto"
+    STRUCTURED = "structured"
+    GENERIC = "generic"
 
 
 class Randomness(_StrEnum):

@@ -35,6 +35,9 @@ class JacobianResult:
             all at once.
         fallback: Why the engine ran another strategy than requested, else ``None``.
         notes: How ``auto`` decided (estimated costs, strategies it ruled out and why).
+        structured: The selected tensors whose columns came from the structured path
+            (``entries``; forward: :mod:`~multiscale_jac.entries`, reverse:
+            :mod:`~multiscale_jac.structured`); the others ran the generic path.
     """
 
     jacobian: Tensor
@@ -49,6 +52,7 @@ class JacobianResult:
     inner_chunk_size: int | None = None
     fallback: str | None = field(default=None)
     notes: tuple[str, ...] = ()
+    structured: tuple[str, ...] = ()
 
     @property
     def num_samples(self) -> int:

@@ -1,0 +1,551 @@
+"""Forward mode w.r.t. single entries of conv/linear weights and biases, at their own cost.
+
+The generic forward path gives every selected entry a one-hot tangent on its weight tensor: the
+layer then computes a full ``conv(x, W_dot)`` per entry and every later layer a dense tangent.
+For an entry ``W[o, i, u, v]`` of a conv (``W[o, i]`` of a linear layer, ``b[o]`` of a bias) the
+layer's output tangent is known in closed form: input channel ``i`` shifted by ``(u, v)`` (the
+``unfold`` row of the entry; ``x[..., i]``; ones), placed in output channel ``o``, zero elsewhere.
+:class:`EntryMode` (a ``TorchFunctionMode``) runs one forward pass per selected tensor and
+exploits that structure twice:
+
+* **pending tangents.** The layer's output is returned without a tangent and recorded as
+  *pending*: its tangent is ``m * e_o (x) row_j`` for entry ``j`` (``row_j`` from ``unfold``
+  of the layer's input, ``m`` a multiplier, initially one). Elementwise ops (ReLU, tanh, GELU,
+  BatchNorm in eval, dropout off, ...) keep it pending and multiply ``m`` by their derivative,
+  computed once on the primal (``jvp`` with a ones tangent), not once per entry.
+* **one-channel consumers.** A ``conv1d/conv2d`` (groups 1) or ``linear`` that reads a pending
+  tensor only needs channel ``o`` of its tangent: ``conv(m_o * row_j, W[:, o])``, one input
+  channel instead of ``C_in``. Its output carries an ordinary (dense) tangent from there on.
+
+Any other use of a pending tensor *materialises* it (a copy whose tangent is the dense one-hot
+outer product), and any use of the weight outside ``conv/linear`` gets the generic reparametrised
+weight ``W0.index_put(idx, v)``, whose tangent comes from the one-hot tangent on ``v``. So every
+path is exact; the structure only makes the common ones cheap. The entry index ``j`` travels as
+the tangent of a dummy scalar ``c0`` (the tangent on ``v`` is ``e_j``): both are set by the
+engine, one entry per tangent, which is the contract the closed forms rely on.
+
+Safety: a layer whose input carries a tangent (the same module called on its own output, or
+after an in-place op on a tensor with a tangent) takes the dense route. An in-place op on a
+pending tensor other than a whitelisted elementwise one, or on a tensor with a tangent after a
+pending tensor was copied, raises :class:`NotStructuredError`; the engine then runs the generic
+path for that tensor and records why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import jvp
+from torch.overrides import TorchFunctionMode
+
+from .masked import _bind_op, _ntuple, _tensors
+
+__all__ = ["EntryGeometry", "EntryMode", "NotStructuredError", "entry_geometry"]
+
+
+class NotStructuredError(RuntimeError):
+    """The model did something the structured forward pass does not handle exactly."""
+
+
+@dataclass(frozen=True)
+class EntryGeometry:
+    """Where the selected entries of one tensor sit: their output channel and their position
+    within that channel's slice (``i * K + u * kw + v`` for conv weights, ``i`` for linear
+    weights, unused for biases)."""
+
+    ochan: Tensor  # (k,) long
+    within: Tensor  # (k,) long
+    is_bias: bool
+    numel: int  # entries of the whole tensor
+    shape: tuple[int, ...]
+
+
+def entry_geometry(
+    shape: tuple[int, ...], idx: Tensor | None, device: torch.device
+) -> EntryGeometry:
+    """The :class:`EntryGeometry` of entries ``idx`` (flat; ``None``: all) of a weight or bias
+    of shape ``shape`` (a 1-d tensor is taken for a bias)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    flat = torch.arange(numel, device=device) if idx is None else idx.to(device)
+    per_out = numel // shape[0]
+    return EntryGeometry(
+        ochan=flat // per_out,
+        within=flat % per_out,
+        is_bias=len(shape) == 1,
+        numel=numel,
+        shape=tuple(shape),
+    )
+
+
+# ---------------------------------------------------------------------- autograd functions
+def _row(u: Tensor | None, m: Tensor | None, like: tuple, dim: int, j: Tensor, o: Tensor) -> Tensor:
+    """``m_o * row_j``: the pending tangent's one non-zero channel (size 1 at ``dim``);
+    ``like`` is ``(shape, dtype, device)`` of the pending tensor."""
+    if u is None:  # a bias entry: ones
+        shape, dtype, device = like
+        shape = list(shape)
+        shape[dim] = 1
+        row = torch.ones(shape, dtype=dtype, device=device)
+    else:
+        row = u.index_select(dim, j)
+    if m is not None:
+        row = row * m.index_select(dim, o)
+    return row
+
+
+def _hot(o: Tensor, channels: int, ndim: int, dim: int, dtype: torch.dtype) -> Tensor:
+    shape = [1] * ndim
+    shape[dim] = channels
+    return (torch.arange(channels, device=o.device) == o).to(dtype).view(shape)
+
+
+class _Materialize(torch.autograd.Function):
+    """``y`` (a copy) whose tangent gains the pending one-hot contribution of entry ``j``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(y, c0, u, ochan, m, dim, has_tangent):  # type: ignore[override]
+        return y.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        y, _c0, u, ochan, m, dim, has_tangent = inputs
+        ctx.save_for_forward(*(t for t in (u, ochan, m) if t is not None))
+        ctx.spec = (u is not None, m is not None, dim, has_tangent, y.shape[dim], y.dim())
+        ctx.like = (tuple(y.shape), y.dtype, y.device)
+
+    @staticmethod
+    def jvp(ctx, y_t, c_t, *_):  # type: ignore[override]
+        has_u, has_m, dim, has_tangent, channels, ndim = ctx.spec
+        saved = list(ctx.saved_tensors)
+        u = saved.pop(0) if has_u else None
+        ochan = saved.pop(0)
+        m = saved.pop(0) if has_m else None
+        j = c_t.long().reshape(1)
+        o = ochan.index_select(0, j)
+        row = _row(u, m, ctx.like, dim, j, o)
+        out = _hot(o, channels, ndim, dim, row.dtype) * row
+        return out + y_t if has_tangent else out
+
+
+class _Consume(torch.autograd.Function):
+    """A conv/linear reading a pending tensor: primal as usual, tangent from channel ``o``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w, b, c0, u, ochan, m, spec):  # type: ignore[override]
+        kind, _dim, conv = spec
+        if kind == "linear":
+            return F.linear(x, w, b)
+        return (F.conv2d if kind == "conv2d" else F.conv1d)(x, w, b, *conv)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[override]
+        x, w, _b, _c0, u, ochan, m, spec = inputs
+        ctx.save_for_forward(w, *(t for t in (u, ochan, m) if t is not None))
+        ctx.flags = (u is not None, m is not None)
+        ctx.out_hw = tuple(output.shape[2:])
+        ctx.spec = spec
+        ctx.like = (tuple(x.shape), x.dtype, x.device)
+
+    @staticmethod
+    def jvp(ctx, x_t, w_t, b_t, c_t, *_):  # type: ignore[override]
+        kind, dim, conv = ctx.spec
+        has_u, has_m = ctx.flags
+        saved = list(ctx.saved_tensors)
+        w = saved.pop(0)
+        u = saved.pop(0) if has_u else None
+        ochan = saved.pop(0)
+        m = saved.pop(0) if has_m else None
+        j = c_t.long().reshape(1)
+        o = ochan.index_select(0, j)
+        t = _row(u, m, ctx.like, dim, j, o)  # (..., 1) or (B, 1, *spatial)
+        if kind == "linear":
+            return t * w.index_select(1, o).squeeze(1)
+        stride, padding, dilation, _ = conv
+        wo = w.index_select(1, o)  # (C_out, 1, *kernel)
+        if kind == "conv1d" or isinstance(padding, str):
+            op = F.conv2d if kind == "conv2d" else F.conv1d
+            return op(t, wo, None, stride, padding, dilation)
+        # one input channel: unfold + matmul (a grouped conv per entry is slow on CPU)
+        cols = F.unfold(t, tuple(w.shape[2:]), dilation=dilation, padding=padding, stride=stride)
+        out = torch.matmul(wo.flatten(1), cols)  # (B, C_out, L)
+        return out.view(*out.shape[:2], *ctx.out_hw)
+
+
+def _numel(out: Any) -> int:
+    if isinstance(out, Tensor):
+        return out.numel()
+    if isinstance(out, (list, tuple)):
+        return sum(_numel(o) for o in out)
+    return 0
+
+
+def _macs(kind: str, out: Any, args: tuple, kwargs: dict) -> int:
+    """Multiply-adds of a conv/linear call (its output times the weight's fan-in)."""
+    b = _bind_op("linear" if kind == "linear" else "conv", args, kwargs)
+    w = b["weight"]
+    fan_in = w.shape[-1] if kind == "linear" else w[0].numel()
+    return _numel(out) * int(fan_in)
+
+
+# ---------------------------------------------------------------------- the mode
+@dataclass
+class _Pending:
+    ref: weakref.ref
+    u: Tensor | None
+    m: Tensor | None
+    dim: int
+    copy: Tensor | None = field(default=None)
+
+
+#: elementwise ops that keep a tangent pending (derivative: ``jvp`` with a ones tangent)
+_ELEMENTWISE = {
+    torch.relu,
+    F.relu,
+    torch.Tensor.relu,
+    F.relu6,
+    F.leaky_relu,
+    F.elu,
+    F.selu,
+    F.celu,
+    F.gelu,
+    F.silu,
+    F.mish,
+    F.hardswish,
+    F.hardsigmoid,
+    F.hardtanh,
+    F.softplus,
+    F.softsign,
+    F.sigmoid,
+    torch.sigmoid,
+    torch.Tensor.sigmoid,
+    F.tanh,
+    torch.tanh,
+    torch.Tensor.tanh,
+    F.prelu,
+    F.batch_norm,
+}
+_INPLACE_TO_OUT = {torch.relu_: torch.relu, torch.Tensor.relu_: torch.relu, F.relu_: torch.relu}
+_IDENTITY_IF_OFF = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout}
+_SIGS: dict[Any, inspect.Signature | None] = {}
+
+
+def _signature(func: Any) -> inspect.Signature | None:
+    if func not in _SIGS:
+        try:
+            _SIGS[func] = inspect.signature(func)
+        except (TypeError, ValueError):
+            _SIGS[func] = None
+    return _SIGS[func]
+
+
+def _bound(func: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    sig = _signature(func)
+    if sig is None:
+        return None
+    try:
+        b = sig.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    b.apply_defaults()
+    return dict(b.arguments)
+
+
+def _is_inplace(func: Any, args: tuple, kwargs: dict) -> bool:
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    if name in _INPLACE_DUNDERS or "out" in kwargs:
+        return True
+    if func in _ELEMENTWISE or func in _IDENTITY_IF_OFF:
+        b = _bound(func, args, kwargs)
+        return bool(b and b.get("inplace"))
+    return False
+
+
+_INPLACE_DUNDERS = {
+    "__setitem__",
+    *(
+        f"__i{op}__"
+        for op in (
+            [
+                "add",
+                "sub",
+                "mul",
+                "matmul",
+                "truediv",
+                "floordiv",
+                "mod",
+                "pow",
+                "and",
+                "or",
+                "xor",
+                "lshift",
+                "rshift",
+            ]
+        )
+    ),
+}
+_CONVS = {torch.conv2d: "conv2d", F.conv2d: "conv2d", torch.conv1d: "conv1d", F.conv1d: "conv1d"}
+
+
+class EntryMode(TorchFunctionMode):
+    """One forward pass with tangents on the selected entries of one weight or bias.
+
+    Args:
+        alias: The object the model sees as the selected tensor (a fresh view of it).
+        dense: The selected tensor with the current values placed, without a tangent.
+        generic: ``() -> Tensor``: the reparametrised tensor whose tangent is the one-hot
+            tangent (used by any op other than conv/linear).
+        c0: The dummy scalar whose tangent is the entry index ``j``.
+        geometry: The entries' :class:`EntryGeometry`.
+    """
+
+    def __init__(
+        self,
+        alias: Tensor,
+        dense: Tensor,
+        generic: Callable[[], Tensor],
+        c0: Tensor,
+        geometry: EntryGeometry,
+    ) -> None:
+        super().__init__()
+        self.alias = alias
+        self.dense = dense
+        self.generic = generic
+        self.c0 = c0
+        self.geo = geometry
+        self._generic: Tensor | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._tainted: dict[int, weakref.ref] = {}
+        self._taint_all = False
+        self._copied = False
+        #: counts of what ran: entry layers, one-channel consumers, copies, generic uses
+        self.stats = {"entry": 0, "consume": 0, "materialize": 0, "generic": 0, "dense_entry": 0}
+        #: per-tangent work (multiply-adds or elements written) of this pass (``work``) and of
+        #: the generic one-hot pass over the same ops (``dense_work``): the cost model's input
+        self.work = 0
+        self.dense_work = 0
+
+    # ------------------------------------------------------------ bookkeeping
+    def _pend(self, t: Any) -> _Pending | None:
+        if not isinstance(t, Tensor):
+            return None
+        p = self._pending.get(id(t))
+        return p if p is not None and p.ref() is t else None
+
+    def _taint(self, t: Any) -> bool:
+        if not isinstance(t, Tensor):
+            return False
+        r = self._tainted.get(id(t))
+        return r is not None and r() is t
+
+    def _mark(self, out: Any) -> None:
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, Tensor):
+                self._tainted[id(t)] = weakref.ref(t)
+
+    def _materialize(self, t: Tensor, p: _Pending) -> Tensor:
+        if p.copy is None:
+            self.stats["materialize"] += 1
+            self.work += t.numel()
+            self._copied = True
+            p.copy = _Materialize.apply(t, self.c0, p.u, self.geo.ochan, p.m, p.dim, False)
+            self._mark(p.copy)
+        return p.copy
+
+    def _swap(self, a: Any) -> Any:
+        """An argument as a general op must see it: pending -> copy, alias -> generic."""
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._swap(b) for b in a)
+        if a is self.alias:
+            if self._generic is None:
+                self.stats["generic"] += 1
+                self._generic = self.generic()
+                self._mark(self._generic)
+            return self._generic
+        p = self._pend(a)
+        return self._materialize(a, p) if p is not None else a
+
+    # ------------------------------------------------------------ dispatch
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        kind = _CONVS.get(func) or ("linear" if func is F.linear else None)
+        if kind is not None:
+            out = self._layer(func, kind, args, kwargs)
+            if out is not None:
+                return out
+        elif args and self._pend(args[0]) is not None:
+            out = self._elementwise(func, args, kwargs)
+            if out is not None:
+                return out
+        inplace = _is_inplace(func, args, kwargs)
+        if inplace and args:
+            self._check_inplace(args[0])
+        tensors = list(_tensors(args, kwargs))
+        touched = any(self._taint(t) or self._pend(t) is not None for t in tensors) or any(
+            t is self.alias for t in tensors
+        )
+        if not touched:
+            return func(*args, **kwargs)
+        if inplace and args and isinstance(args[0], Tensor) and not self._taint(args[0]):
+            self._taint_all = True  # views of its base gain a tangent unseen
+        out = func(*self._swap(args), **{k: self._swap(v) for k, v in kwargs.items()})
+        self._mark(out)
+        cost = _macs(kind, out, args, kwargs) if kind is not None else _numel(out)
+        self.work += cost
+        self.dense_work += cost
+        return out
+
+    def _check_inplace(self, target: Any) -> None:
+        if self._pend(target) is not None:
+            raise NotStructuredError(
+                "an in-place op writes into a layer output with a pending structured tangent"
+            )
+        if self._copied and self._taint(target):
+            raise NotStructuredError(
+                "an in-place op writes into a tensor with a tangent after a pending tangent was "
+                "copied (the copy and the original could diverge)"
+            )
+
+    def _layer(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Tensor | None:
+        b = _bind_op("linear" if kind == "linear" else "conv", args, kwargs)
+        x, w, bias = b["input"], b["weight"], b["bias"]
+        if not isinstance(x, Tensor):
+            return None
+        if w is self.alias or bias is self.alias:
+            if (w is self.alias) == self.geo.is_bias:  # weight entries used as a bias or v.v.
+                return None
+            return self._entry(func, kind, b)
+        p = self._pend(x)
+        if p is None or any(self._taint(t) or self._pend(t) is not None for t in (w, bias)):
+            return None
+        if kind == "linear":
+            if p.dim != x.dim() - 1:
+                return None
+            spec: tuple = ("linear", p.dim, None)
+        else:
+            if p.dim != 1 or b["groups"] != 1 or x.dim() != (4 if kind == "conv2d" else 3):
+                return None
+            spec = (kind, 1, (b["stride"], b["padding"], b["dilation"], 1))
+        self.stats["consume"] += 1
+        out = _Consume.apply(x, w, bias, self.c0, p.u, self.geo.ochan, p.m, spec)
+        self._mark(out)
+        macs = out.numel() * (w[0].numel() if kind != "linear" else w.shape[-1])
+        self.work += macs // max(x.shape[p.dim], 1) + out.numel()
+        self.dense_work += macs
+        return out
+
+    def _entry(self, func: Any, kind: str, b: dict) -> Tensor | None:
+        x = b["input"]
+        w = self.dense if b["weight"] is self.alias else b["weight"]
+        bias = self.dense if b["bias"] is self.alias else b["bias"]
+        if self._taint(w if self.geo.is_bias else bias) or self._pend(x) is not None:
+            return None
+        if kind == "linear":
+            y = F.linear(x, w, bias)
+            dim = y.dim() - 1
+            u = None if self.geo.is_bias else x.index_select(-1, self.geo.within)
+        else:
+            nd = 2 if kind == "conv2d" else 1
+            if x.dim() != nd + 2:
+                return None
+            padding = b["padding"]
+            ksize = tuple(w.shape[2:])
+            dilation = _ntuple(b["dilation"], nd)
+            if isinstance(padding, str):
+                if padding == "valid":
+                    padding = 0
+                elif any(d * (k - 1) % 2 for d, k in zip(dilation, ksize)):
+                    return None  # asymmetric 'same'
+                else:
+                    padding = tuple(d * (k - 1) // 2 for d, k in zip(dilation, ksize))
+            stride, padding = _ntuple(b["stride"], nd), _ntuple(padding, nd)
+            groups = b["groups"]
+            y = func(x, w, bias, stride, padding, dilation, groups)
+            dim = 1
+            u = None
+            if not self.geo.is_bias:
+                cout = w.shape[0]
+                group = self.geo.ochan // (cout // groups)
+                rows = group * self.geo.within.new_tensor(w[0].numel()) + self.geo.within
+                x2 = x if nd == 2 else x.unsqueeze(2)
+                k2 = ksize if nd == 2 else (1, *ksize)
+                s2, p2, d2 = (
+                    (stride, padding, dilation)
+                    if nd == 2
+                    else ((1, *stride), (0, *padding), (1, *dilation))
+                )
+                cols = F.unfold(x2, k2, dilation=d2, padding=p2, stride=s2)  # (B, C*K, L)
+                u = cols.index_select(1, rows).view(x.shape[0], -1, *y.shape[2:])
+        macs = y.numel() * (w[0].numel() if kind != "linear" else w.shape[-1])
+        self.dense_work += macs
+        if self._taint_all or self._taint(x):
+            # the input carries a tangent too: dense route
+            self.stats["dense_entry"] += 1
+            self.work += macs + y.numel()
+            out = _Materialize.apply(y, self.c0, u, self.geo.ochan, None, dim, True)
+            self._mark(out)
+            return out
+        self.stats["entry"] += 1
+        self._pending[id(y)] = _Pending(weakref.ref(y), u, None, dim)
+        return y
+
+    def _elementwise(self, func: Any, args: tuple, kwargs: dict) -> Tensor | None:
+        """A whitelisted elementwise op on a pending tensor: stays pending, ``m *= f'(y)``."""
+        y = args[0]
+        p = self._pend(y)
+        if p is None:
+            return None
+        rest = list(_tensors(args[1:], kwargs))
+        if any(self._taint(t) or self._pend(t) is not None or t is self.alias for t in rest):
+            return None
+        b = _bound(func, args, kwargs) if func in _ELEMENTWISE | _IDENTITY_IF_OFF else None
+        if func in _IDENTITY_IF_OFF:  # dropout: the identity when not training
+            if b is None or b.get("training", True):
+                return None
+            out = y if b.get("inplace") else y.clone()
+            self.dense_work += y.numel()
+            self._pending[id(out)] = _Pending(weakref.ref(out), p.u, p.m, p.dim)
+            return out
+        if func is F.batch_norm and (b is None or b.get("training")):
+            return None
+        inplace = func in _INPLACE_TO_OUT or bool(b and b.get("inplace"))
+        if func not in _ELEMENTWISE and func not in _INPLACE_TO_OUT:
+            return None
+        if inplace and p.copy is not None:
+            raise NotStructuredError(
+                "an in-place op writes into a layer output whose pending tangent was copied"
+            )
+        if b is not None:
+            first = next(iter(b))
+
+            def f(t: Tensor) -> Tensor:
+                return func(**{**b, first: t, **({"inplace": False} if "inplace" in b else {})})
+        else:
+            out_func = _INPLACE_TO_OUT.get(func, func)
+
+            def f(t: Tensor) -> Tensor:
+                return out_func(t, *args[1:], **kwargs)
+
+        self.dense_work += y.numel()
+        primal, deriv = jvp(f, (y,), (torch.ones_like(y),))
+        m = deriv if p.m is None else p.m * deriv
+        if inplace:
+            out = func(*args, **kwargs)  # the model's own in-place op on the primal
+            p.m = m
+            return out
+        self._pending[id(primal)] = _Pending(weakref.ref(primal), p.u, m, p.dim)
+        return primal
