@@ -85,9 +85,14 @@ def measure(
     )
 
 
-def per_sample_bytes(fp: Footprint, mode: Mode, numel: int, itemsize: int, inner: int) -> int:
-    """The estimate above for one sample with ``inner`` rows (rev) or tangents (fwd) at once."""
-    per_step = 2 * fp.largest + (numel if mode is Mode.REV else fp.outputs) * itemsize
+def per_sample_bytes(
+    fp: Footprint, mode: Mode, numel: int, itemsize: int, inner: int, per_step: int | None = None
+) -> int:
+    """The estimate above for one sample with ``inner`` rows (rev) or tangents (fwd) at once;
+    ``per_step`` replaces ``2 M + O s`` (fwd) where the tangents' size was measured (the
+    structured pass counts them, :class:`EntryCost`)."""
+    if per_step is None:
+        per_step = 2 * fp.largest + (numel if mode is Mode.REV else fp.outputs) * itemsize
     return fp.activations + inner * per_step + 2 * fp.outputs * numel * itemsize
 
 
@@ -102,8 +107,10 @@ def plan_chunks(
     chunk_size: int | None,
     available: int | None,
     device: torch.device,
+    per_step: int | None = None,
 ) -> Plan:
-    """Choose samples per call and rows/tangents per step for one bucket.
+    """Choose samples per call and rows/tangents per step for one bucket (and, in fwd, one
+    tensor's tangents).
 
     Args:
         fp: The bucket's footprint.
@@ -116,12 +123,13 @@ def plan_chunks(
         available: Bytes left under the caller's ``memory_budget`` after the result, or
             ``None`` for no budget (then a default working-set target is used).
         device: Where it runs (picks the default target).
+        per_step: Measured bytes per row/tangent (see :func:`per_sample_bytes`).
 
     Raises:
         ValueError: ``available`` is below :func:`minimum_bytes` (callers check that first, to
             report the minimum over all buckets).
     """
-    full = per_sample_bytes(fp, mode, numel, itemsize, full_inner)
+    full = per_sample_bytes(fp, mode, numel, itemsize, full_inner, per_step)
     if available is None:
         target = DEFAULT_WORKSET_BYTES.get(device.type, DEFAULT_WORKSET_BYTES["cuda"])
         n = chunk_size or max(1, target // max(full, 1))
@@ -130,17 +138,25 @@ def plan_chunks(
     n = min(n, bucket_size)
     if n * full <= available:
         return Plan(n, None)
-    one = per_sample_bytes(fp, mode, numel, itemsize, 1)
-    step = one - per_sample_bytes(fp, mode, numel, itemsize, 0)
+    one = per_sample_bytes(fp, mode, numel, itemsize, 1, per_step)
+    step = one - per_sample_bytes(fp, mode, numel, itemsize, 0, per_step)
     inner = (available // n - (one - step)) // max(step, 1)
     if inner < 1:  # the caller checks minimum_bytes first
         raise ValueError(f"memory_budget too small for {n} sample(s) with one row/tangent each")
     return Plan(n, int(min(inner, full_inner)))
 
 
-def minimum_bytes(fp: Footprint, *, mode: Mode, numel: int, itemsize: int, samples: int) -> int:
+def minimum_bytes(
+    fp: Footprint,
+    *,
+    mode: Mode,
+    numel: int,
+    itemsize: int,
+    samples: int,
+    per_step: int | None = None,
+) -> int:
     """Working memory of ``samples`` samples with one output row (rev) or tangent (fwd) each."""
-    return samples * per_sample_bytes(fp, mode, numel, itemsize, 1)
+    return samples * per_sample_bytes(fp, mode, numel, itemsize, 1, per_step)
 
 
 #: Cost-model constants per device type: seconds per vectorised forward pass (Python tracing of
@@ -190,6 +206,8 @@ class EntryCost:
 
     structured: int | None
     generic: int
+    structured_elems: int | None = None
+    generic_elems: int | None = None
 
 
 def survey(
@@ -208,7 +226,12 @@ def survey(
                 costs[name] = EntryCost(None, rec.get("dense_work", 0))
                 continue
             structurable = name in fn.entry_names and rec["entry"] + rec["dense_entry"] > 0
-            costs[name] = EntryCost(rec["work"] if structurable else None, rec["dense_work"])
+            costs[name] = EntryCost(
+                rec["work"] if structurable else None,
+                rec["dense_work"],
+                rec["elems"] if structurable else None,
+                rec["dense_elems"],
+            )
     return costs
 
 

@@ -220,7 +220,8 @@ class PerSampleFunction:
             v: ``name``'s selected values, carrying the one-hot tangent ``e_j``.
             c0: A scalar zero carrying the tangent ``j``.
             stats: If given, updated with the counts of what the pass ran and its per-tangent
-                ``work`` / ``dense_work`` (see :class:`~multiscale_jac.entries.EntryMode`).
+                ``work``, ``dense_work``, ``elems``, ``dense_elems`` (see
+                :class:`~multiscale_jac.entries.EntryMode`).
         """
         params = self.full_params(values)
         base = self._base[name]
@@ -235,7 +236,13 @@ class PerSampleFunction:
         params[name] = alias
         out = self.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
         if stats is not None:
-            for k, n in (*mode.stats.items(), ("work", mode.work), ("dense_work", mode.dense_work)):
+            counts = {
+                "work": mode.work,
+                "dense_work": mode.dense_work,
+                "elems": mode.elems,
+                "dense_elems": mode.dense_elems,
+            }
+            for k, n in (*mode.stats.items(), *counts.items()):
                 stats[k] = stats.get(k, 0) + n
         return out
 

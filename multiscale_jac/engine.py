@@ -43,6 +43,7 @@ from ._checks import (
     check_train_mode_layers,
 )
 from ._planning import (
+    EntryCost,
     Footprint,
     Plan,
     choose_mode,
@@ -257,8 +258,8 @@ def _jacobian_impl(
             output_sizes=plan.sizes,
             strategy=ran,
             mode=plan.mode,
-            chunk_size=max(g.chunks.samples for g in plan.groups),
-            inner_chunk_size=_min_or_none(g.chunks.inner for g in plan.groups),
+            chunk_size=max(c.samples for g in plan.groups for c in g.chunks),
+            inner_chunk_size=_min_or_none(c.inner for g in plan.groups for c in g.chunks),
             fallback="; then ".join(fallbacks) or None,
             notes=tuple(notes),
             structured=structured,
@@ -370,7 +371,7 @@ def _cost(plan: _VectorPlan) -> float:
         [
             (
                 len(g.indices),
-                g.chunks.samples,
+                min(c.samples for c in g.chunks),
                 g.footprint,
                 len(plan.spans) if plan.mode is Mode.FWD else 1,
             )
@@ -395,7 +396,7 @@ class _Group:
     fn: Callable[..., Tensor]
     levels: Callable[[list[int]], list[Tensor]]
     outputs: int
-    chunks: Plan
+    chunks: tuple[Plan, ...]  # rev: one; fwd: one per tangent span
     footprint: Footprint
     table: Tensor | None = None
 
@@ -460,6 +461,7 @@ def _plan(
                 sizes[i] = fp.outputs
             raw.append((b.indices, fn, packed.stack, fp, None))
     structured: tuple[str, ...] = ()
+    costs: dict[str, EntryCost] = {}
     per_tensor = randomness is Randomness.ERROR  # fwd spans are single tensors
     if strategy is Strategy.PADDED or (mode is Mode.FWD and not per_tensor):
         if mode is Mode.AUTO:
@@ -496,6 +498,16 @@ def _plan(
             notes.append(f"mode: structured entries for {', '.join(structured)}")
     spans = _tangent_groups(fn.subset, mode, randomness)
 
+    # what one vectorised step holds: rev, one output row of all P columns; fwd, one tangent
+    # of one span (measured by the survey where it ran, else the footprint estimate)
+    steps = []
+    for lo, hi in [(0, numel)] if mode is Mode.REV else spans:
+        name = _span_tensor(fn.subset, (lo, hi))
+        cost = costs.get(name) if name is not None and mode is Mode.FWD else None
+        elems = None
+        if cost is not None:
+            elems = cost.structured_elems if name in structured else cost.generic_elems
+        steps.append((hi - lo, None if elems is None else elems * itemsize))
     available = None
     if memory_budget is not None:
         result_bytes = n * max(sizes) * numel * itemsize
@@ -503,11 +515,13 @@ def _plan(
             minimum_bytes(
                 fp,
                 mode=mode,
-                numel=numel,
+                numel=width,
                 itemsize=itemsize,
                 samples=min(chunk_size or 1, len(idx)),
+                per_step=per_step,
             )
             for idx, _, _, fp, _ in raw
+            for width, per_step in steps
         )
         if result_bytes + need > memory_budget:
             unit = "output row" if mode is Mode.REV else "tangent"
@@ -527,16 +541,20 @@ def _plan(
             outputs=fp.outputs,
             footprint=fp,
             table=table,
-            chunks=plan_chunks(
-                fp,
-                mode=mode,
-                numel=numel,
-                full_inner=fp.outputs if mode is Mode.REV else max(hi - lo for lo, hi in spans),
-                itemsize=itemsize,
-                bucket_size=len(idx),
-                chunk_size=chunk_size,
-                available=available,
-                device=values[0].device,
+            chunks=tuple(
+                plan_chunks(
+                    fp,
+                    mode=mode,
+                    numel=width,
+                    full_inner=fp.outputs if mode is Mode.REV else width,
+                    itemsize=itemsize,
+                    bucket_size=len(idx),
+                    chunk_size=chunk_size,
+                    available=available,
+                    device=values[0].device,
+                    per_step=per_step,
+                )
+                for width, per_step in steps
             ),
         )
         for idx, gfn, levels, fp, table in raw
@@ -554,37 +572,37 @@ def _run(
     generically, with a note)."""
     subset, values = fn.subset, fn.values()
     structured = list(plan.structured) if plan.mode is Mode.FWD else []
-    jac = values[0].new_zeros((plan.num_samples, max(plan.sizes), subset.numel))
+    shape = (plan.num_samples, max(plan.sizes), subset.numel)
+    # every entry is written unless output rows are padded
+    ragged = len(set(plan.sizes)) > 1 or any(g.table is not None for g in plan.groups)
+    jac = values[0].new_zeros(shape) if ragged else values[0].new_empty(shape)
     for g in plan.groups:
-        o = g.outputs
-        for start in range(0, len(g.indices), g.chunks.samples):
-            idx = g.indices[start : start + g.chunks.samples]
-            levels = g.levels(idx)
-            if plan.mode is Mode.REV:
-                blocks = _rev_block(g.fn, values, levels, g.chunks.inner, randomness)
-                parts = [
-                    (subset.offsets[name], blk.reshape(len(idx), o, -1))
-                    for name, blk in zip(subset.names, blocks)
-                ]
-            else:
-                parts = []
-                for span in plan.spans:
-                    name = _span_tensor(subset, span)
-                    blk = None
-                    if name in structured:
-                        try:
-                            blk = _entry_block(fn, name, values, levels, g.chunks.inner, randomness)
-                        except NotStructuredError as err:
-                            structured.remove(name)
-                            notes.append(f"{name}: structured pass stopped ({err}); ran generic")
-                    if blk is None:
-                        blk = _fwd_block(
-                            g.fn, subset, values, levels, span, g.chunks.inner, randomness
-                        )
-                    parts.append((span, blk))
-            for (lo, hi), blk in parts:
-                _write(jac, idx, blk, lo, hi, g.table)
+        if plan.mode is Mode.REV:
+            for idx in _sample_chunks(g.indices, g.chunks[0].samples):
+                blocks = _rev_block(g.fn, values, g.levels(idx), g.chunks[0].inner, randomness)
+                for name, blk in zip(subset.names, blocks):
+                    lo, hi = subset.offsets[name]
+                    _write(jac, idx, blk.reshape(len(idx), g.outputs, -1), lo, hi, g.table)
+            continue
+        for span, chunks in zip(plan.spans, g.chunks):
+            name = _span_tensor(subset, span)
+            for idx in _sample_chunks(g.indices, chunks.samples):
+                levels = g.levels(idx)
+                blk = None
+                if name in structured:
+                    try:
+                        blk = _entry_block(fn, name, values, levels, chunks.inner, randomness)
+                    except NotStructuredError as err:
+                        structured.remove(name)
+                        notes.append(f"{name}: structured pass stopped ({err}); ran generic")
+                if blk is None:
+                    blk = _fwd_block(g.fn, subset, values, levels, span, chunks.inner, randomness)
+                _write(jac, idx, blk, *span, g.table)
     return jac, tuple(structured) if plan.mode is Mode.FWD else plan.structured
+
+
+def _sample_chunks(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[s : s + size] for s in range(0, len(indices), size)]
 
 
 def _span_tensor(subset: ParamSubset, span: tuple[int, int]) -> str | None:
@@ -707,7 +725,7 @@ def _entry_block(
             hot[torch.arange(c), torch.arange(s, s + c)] = 1
             j = torch.arange(s, s + c, dtype=v0.dtype, device=v0.device)
             cols.append(vmap(one, randomness=inner_rand)(hot, j))
-        return torch.cat(cols).transpose(0, 1)
+        return (cols[0] if len(cols) == 1 else torch.cat(cols)).transpose(0, 1)
 
     in_dims = (None,) + (0,) * len(levels)
     return vmap(per_sample, in_dims=in_dims, randomness=randomness.value)(values, *levels)

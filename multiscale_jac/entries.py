@@ -108,33 +108,62 @@ def _hot(o: Tensor, channels: int, ndim: int, dim: int, dtype: torch.dtype) -> T
     return (torch.arange(channels, device=o.device) == o).to(dtype).view(shape)
 
 
+def _save(ctx: Any, *tensors: Tensor | None) -> None:
+    """``save_for_forward`` for optional tensors (``None`` kept as a flag)."""
+    ctx.present = tuple(t is not None for t in tensors)
+    ctx.save_for_forward(*(t for t in tensors if t is not None))
+
+
+def _saved(ctx: Any) -> list[Tensor | None]:
+    it = iter(ctx.saved_tensors)
+    return [next(it) if p else None for p in ctx.present]
+
+
+def _one_channel_conv(t: Tensor, k: Tensor, spec: tuple) -> Tensor:
+    """``conv(t, k)`` for a one-channel ``t`` ``(B, 1, *spatial)`` and ``k`` ``(C, 1, *kernel)``
+    (per entry under ``vmap``: unfold + matmul, as a grouped conv per entry is slow on CPU)."""
+    stride, padding, dilation, out_sp = spec
+    if t.dim() != 4 or isinstance(padding, str):
+        op = F.conv2d if t.dim() == 4 else F.conv1d
+        return op(t, k, None, stride, padding, dilation)
+    cols = F.unfold(t, tuple(k.shape[2:]), dilation=dilation, padding=padding, stride=stride)
+    out = torch.matmul(k.flatten(1), cols)  # (B, C, L)
+    return out.view(*out.shape[:2], *out_sp)
+
+
 class _Materialize(torch.autograd.Function):
-    """``y`` (a copy) whose tangent gains the pending one-hot contribution of entry ``j``."""
+    """``y`` (a copy) whose tangent gains the pending contribution of entry ``j``: the source
+    row placed in channel ``o`` or, with ``kernels``, convolved with ``kernels[o]``."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(y, c0, u, ochan, m, dim, has_tangent):  # type: ignore[override]
+    def forward(y, c0, u, ochan, m, kernels, dim, has_tangent):  # type: ignore[override]
         return y.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
-        y, _c0, u, ochan, m, dim, has_tangent = inputs
-        ctx.save_for_forward(*(t for t in (u, ochan, m) if t is not None))
-        ctx.spec = (u is not None, m is not None, dim, has_tangent, y.shape[dim], y.dim())
-        ctx.like = (tuple(y.shape), y.dtype, y.device)
+        y, _c0, u, ochan, m, kernels, dim, has_tangent = inputs
+        _save(ctx, u, ochan, m, kernels)
+        ctx.spec = (dim, has_tangent, y.shape[dim], y.dim(), tuple(y.shape[2:]))
+        ctx.like = (
+            tuple(y.shape) if m is None else tuple(m.shape),
+            y.dtype,
+            y.device,
+        )
 
     @staticmethod
     def jvp(ctx, y_t, c_t, *_):  # type: ignore[override]
-        has_u, has_m, dim, has_tangent, channels, ndim = ctx.spec
-        saved = list(ctx.saved_tensors)
-        u = saved.pop(0) if has_u else None
-        ochan = saved.pop(0)
-        m = saved.pop(0) if has_m else None
+        dim, has_tangent, channels, ndim, out_sp = ctx.spec
+        u, ochan, m, kernels = _saved(ctx)
         j = c_t.long().reshape(1)
         o = ochan.index_select(0, j)
         row = _row(u, m, ctx.like, dim, j, o)
-        out = _hot(o, channels, ndim, dim, row.dtype) * row
+        if kernels is None:
+            out = _hot(o, channels, ndim, dim, row.dtype) * row
+        else:
+            k = kernels.index_select(0, o).transpose(0, 1)  # (C, 1, *kernel)
+            out = _one_channel_conv(row, k, (1, 0, 1, out_sp))
         return out + y_t if has_tangent else out
 
 
@@ -153,35 +182,23 @@ class _Consume(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
         x, w, _b, _c0, u, ochan, m, spec = inputs
-        ctx.save_for_forward(w, *(t for t in (u, ochan, m) if t is not None))
-        ctx.flags = (u is not None, m is not None)
-        ctx.out_hw = tuple(output.shape[2:])
+        _save(ctx, w, u, ochan, m)
+        ctx.out_sp = tuple(output.shape[2:])
         ctx.spec = spec
         ctx.like = (tuple(x.shape), x.dtype, x.device)
 
     @staticmethod
     def jvp(ctx, x_t, w_t, b_t, c_t, *_):  # type: ignore[override]
         kind, dim, conv = ctx.spec
-        has_u, has_m = ctx.flags
-        saved = list(ctx.saved_tensors)
-        w = saved.pop(0)
-        u = saved.pop(0) if has_u else None
-        ochan = saved.pop(0)
-        m = saved.pop(0) if has_m else None
+        w, u, ochan, m = _saved(ctx)
         j = c_t.long().reshape(1)
         o = ochan.index_select(0, j)
         t = _row(u, m, ctx.like, dim, j, o)  # (..., 1) or (B, 1, *spatial)
         if kind == "linear":
             return t * w.index_select(1, o).squeeze(1)
         stride, padding, dilation, _ = conv
-        wo = w.index_select(1, o)  # (C_out, 1, *kernel)
-        if kind == "conv1d" or isinstance(padding, str):
-            op = F.conv2d if kind == "conv2d" else F.conv1d
-            return op(t, wo, None, stride, padding, dilation)
-        # one input channel: unfold + matmul (a grouped conv per entry is slow on CPU)
-        cols = F.unfold(t, tuple(w.shape[2:]), dilation=dilation, padding=padding, stride=stride)
-        out = torch.matmul(wo.flatten(1), cols)  # (B, C_out, L)
-        return out.view(*out.shape[:2], *ctx.out_hw)
+        spec = (stride, padding, dilation, ctx.out_sp)
+        return _one_channel_conv(t, w.index_select(1, o), spec)
 
 
 def _numel(out: Any) -> int:
@@ -207,6 +224,9 @@ class _Pending:
     u: Tensor | None
     m: Tensor | None
     dim: int
+    #: ``(C_entry_out, C, *kernel)``: the tangent is ``conv(source_o, kernels[o])`` (a chain of
+    #: valid stride-1 convs composed into one kernel), or ``None``: the source in channel ``o``
+    kernels: Tensor | None = None
     copy: Tensor | None = field(default=None)
 
 
@@ -298,6 +318,43 @@ _INPLACE_DUNDERS = {
         )
     ),
 }
+#: ops whose output is (usually) a view: they create no new tangent memory
+_VIEWS = {
+    "view",
+    "view_as",
+    "reshape",
+    "reshape_as",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "permute",
+    "transpose",
+    "t",
+    "movedim",
+    "expand",
+    "expand_as",
+    "select",
+    "narrow",
+    "split",
+    "chunk",
+    "unbind",
+    "__getitem__",
+}
+
+
+def _valid_unit(b: dict, nd: int) -> bool:
+    """A conv call with stride 1, dilation 1, no padding and one group."""
+    pad = b["padding"]
+    no_pad = pad == "valid" or (not isinstance(pad, str) and set(_ntuple(pad, nd)) == {0})
+    return (
+        no_pad
+        and set(_ntuple(b["stride"], nd)) == {1}
+        and set(_ntuple(b["dilation"], nd)) == {1}
+        and b["groups"] == 1
+    )
+
+
 _CONVS = {torch.conv2d: "conv2d", F.conv2d: "conv2d", torch.conv1d: "conv1d", F.conv1d: "conv1d"}
 
 
@@ -335,9 +392,19 @@ class EntryMode(TorchFunctionMode):
         #: counts of what ran: entry layers, one-channel consumers, copies, generic uses
         self.stats = {"entry": 0, "consume": 0, "materialize": 0, "generic": 0, "dense_entry": 0}
         #: per-tangent work (multiply-adds or elements written) of this pass (``work``) and of
-        #: the generic one-hot pass over the same ops (``dense_work``): the cost model's input
+        #: the generic one-hot pass over the same ops (``dense_work``), and the elements of the
+        #: tangents they create (``elems``, ``dense_elems``; a sum over ops, so an upper bound of
+        #: what is alive at once): the cost model's and the memory planner's inputs
         self.work = 0
         self.dense_work = 0
+        self.elems = 0
+        self.dense_elems = 0
+
+    def _count(self, work: int, dense_work: int, elems: int, dense_elems: int) -> None:
+        self.work += work
+        self.dense_work += dense_work
+        self.elems += elems
+        self.dense_elems += dense_elems
 
     # ------------------------------------------------------------ bookkeeping
     def _pend(self, t: Any) -> _Pending | None:
@@ -360,9 +427,12 @@ class EntryMode(TorchFunctionMode):
     def _materialize(self, t: Tensor, p: _Pending) -> Tensor:
         if p.copy is None:
             self.stats["materialize"] += 1
-            self.work += t.numel()
+            k = 1 if p.kernels is None else p.kernels[0].numel()
+            self._count(t.numel() * k, 0, t.numel(), 0)
             self._copied = True
-            p.copy = _Materialize.apply(t, self.c0, p.u, self.geo.ochan, p.m, p.dim, False)
+            p.copy = _Materialize.apply(
+                t, self.c0, p.u, self.geo.ochan, p.m, p.kernels, p.dim, False
+            )
             self._mark(p.copy)
         return p.copy
 
@@ -405,8 +475,8 @@ class EntryMode(TorchFunctionMode):
         out = func(*self._swap(args), **{k: self._swap(v) for k, v in kwargs.items()})
         self._mark(out)
         cost = _macs(kind, out, args, kwargs) if kind is not None else _numel(out)
-        self.work += cost
-        self.dense_work += cost
+        new = 0 if getattr(func, "__name__", "") in _VIEWS else _numel(out)
+        self._count(cost, cost, new, new)
         return out
 
     def _check_inplace(self, target: Any) -> None:
@@ -433,20 +503,44 @@ class EntryMode(TorchFunctionMode):
         if p is None or any(self._taint(t) or self._pend(t) is not None for t in (w, bias)):
             return None
         if kind == "linear":
-            if p.dim != x.dim() - 1:
+            if p.dim != x.dim() - 1 or p.kernels is not None:
                 return None
             spec: tuple = ("linear", p.dim, None)
         else:
             if p.dim != 1 or b["groups"] != 1 or x.dim() != (4 if kind == "conv2d" else 3):
                 return None
+            if _valid_unit(b, x.dim() - 2):
+                return self._chain(func, kind, b, p)
+            if p.kernels is not None:
+                return None
             spec = (kind, 1, (b["stride"], b["padding"], b["dilation"], 1))
         self.stats["consume"] += 1
         out = _Consume.apply(x, w, bias, self.c0, p.u, self.geo.ochan, p.m, spec)
         self._mark(out)
-        macs = out.numel() * (w[0].numel() if kind != "linear" else w.shape[-1])
-        self.work += macs // max(x.shape[p.dim], 1) + out.numel()
-        self.dense_work += macs
+        fan_in = w[0].numel() if kind != "linear" else w.shape[-1]
+        cols = out.numel() // max(out.shape[p.dim], 1) * fan_in // max(x.shape[p.dim], 1)
+        macs = out.numel() * fan_in
+        self._count(
+            macs // max(x.shape[p.dim], 1) + out.numel(), macs, out.numel() + cols, out.numel()
+        )
         return out
+
+    def _chain(self, func: Any, kind: str, b: dict, p: _Pending) -> Tensor:
+        """A valid stride-1 conv of a pending tensor: compose its kernel into the pending
+        kernels (``conv(conv(s, K), W) = conv(s, K * W)``, a full convolution of kernels);
+        the output stays pending and nothing runs per entry."""
+        x, w = b["input"], b["weight"]
+        y = func(x, w, b["bias"], 1, 0, 1, 1)
+        if p.kernels is None:
+            kernels = w.transpose(0, 1)  # kernels[o] = W[:, o]
+        else:
+            tconv = F.conv_transpose2d if kind == "conv2d" else F.conv_transpose1d
+            kernels = tconv(p.kernels, w.transpose(0, 1))
+        self.stats["chain"] = self.stats.get("chain", 0) + 1
+        macs = y.numel() * w[0].numel()
+        self._count(0, macs, 0, y.numel())
+        self._pending[id(y)] = _Pending(weakref.ref(y), p.u, p.m, 1, kernels)
+        return y
 
     def _entry(self, func: Any, kind: str, b: dict) -> Tensor | None:
         x = b["input"]
@@ -491,12 +585,12 @@ class EntryMode(TorchFunctionMode):
                 cols = F.unfold(x2, k2, dilation=d2, padding=p2, stride=s2)  # (B, C*K, L)
                 u = cols.index_select(1, rows).view(x.shape[0], -1, *y.shape[2:])
         macs = y.numel() * (w[0].numel() if kind != "linear" else w.shape[-1])
-        self.dense_work += macs
+        self._count(0, macs, 0, y.numel())
         if self._taint_all or self._taint(x):
             # the input carries a tangent too: dense route
             self.stats["dense_entry"] += 1
-            self.work += macs + y.numel()
-            out = _Materialize.apply(y, self.c0, u, self.geo.ochan, None, dim, True)
+            self._count(macs + y.numel(), 0, y.numel(), 0)
+            out = _Materialize.apply(y, self.c0, u, self.geo.ochan, None, None, None, dim, True)
             self._mark(out)
             return out
         self.stats["entry"] += 1
@@ -507,7 +601,7 @@ class EntryMode(TorchFunctionMode):
         """A whitelisted elementwise op on a pending tensor: stays pending, ``m *= f'(y)``."""
         y = args[0]
         p = self._pend(y)
-        if p is None:
+        if p is None or p.kernels is not None:
             return None
         rest = list(_tensors(args[1:], kwargs))
         if any(self._taint(t) or self._pend(t) is not None or t is self.alias for t in rest):
@@ -517,7 +611,7 @@ class EntryMode(TorchFunctionMode):
             if b is None or b.get("training", True):
                 return None
             out = y if b.get("inplace") else y.clone()
-            self.dense_work += y.numel()
+            self._count(0, y.numel(), 0, y.numel())
             self._pending[id(out)] = _Pending(weakref.ref(out), p.u, p.m, p.dim)
             return out
         if func is F.batch_norm and (b is None or b.get("training")):
@@ -540,7 +634,7 @@ class EntryMode(TorchFunctionMode):
             def f(t: Tensor) -> Tensor:
                 return out_func(t, *args[1:], **kwargs)
 
-        self.dense_work += y.numel()
+        self._count(0, y.numel(), 0, y.numel())
         primal, deriv = jvp(f, (y,), (torch.ones_like(y),))
         m = deriv if p.m is None else p.m * deriv
         if inplace:
