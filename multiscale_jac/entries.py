@@ -138,19 +138,15 @@ class _Materialize(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(y, c0, u, ochan, m, kernels, dim, has_tangent):  # type: ignore[override]
+    def forward(y, c0, u, ochan, m, kernels, dim, has_tangent, src):  # type: ignore[override]
         return y.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # type: ignore[override]
-        y, _c0, u, ochan, m, kernels, dim, has_tangent = inputs
+        y, _c0, u, ochan, m, kernels, dim, has_tangent, src = inputs
         _save(ctx, u, ochan, m, kernels)
         ctx.spec = (dim, has_tangent, y.shape[dim], y.dim(), tuple(y.shape[2:]))
-        ctx.like = (
-            tuple(y.shape) if m is None else tuple(m.shape),
-            y.dtype,
-            y.device,
-        )
+        ctx.like = (src, y.dtype, y.device)
 
     @staticmethod
     def jvp(ctx, y_t, c_t, *_):  # type: ignore[override]
@@ -227,6 +223,8 @@ class _Pending:
     #: ``(C_entry_out, C, *kernel)``: the tangent is ``conv(source_o, kernels[o])`` (a chain of
     #: valid stride-1 convs composed into one kernel), or ``None``: the source in channel ``o``
     kernels: Tensor | None = None
+    #: shape of the layer output the entries' tangent starts in (the source's layout)
+    src: tuple[int, ...] = ()
     copy: Tensor | None = field(default=None)
 
 
@@ -431,7 +429,7 @@ class EntryMode(TorchFunctionMode):
             self._count(t.numel() * k, 0, t.numel(), 0)
             self._copied = True
             p.copy = _Materialize.apply(
-                t, self.c0, p.u, self.geo.ochan, p.m, p.kernels, p.dim, False
+                t, self.c0, p.u, self.geo.ochan, p.m, p.kernels, p.dim, False, p.src
             )
             self._mark(p.copy)
         return p.copy
@@ -539,7 +537,7 @@ class EntryMode(TorchFunctionMode):
         self.stats["chain"] = self.stats.get("chain", 0) + 1
         macs = y.numel() * w[0].numel()
         self._count(0, macs, 0, y.numel())
-        self._pending[id(y)] = _Pending(weakref.ref(y), p.u, p.m, 1, kernels)
+        self._pending[id(y)] = _Pending(weakref.ref(y), p.u, p.m, 1, kernels, p.src)
         return y
 
     def _entry(self, func: Any, kind: str, b: dict) -> Tensor | None:
@@ -594,7 +592,7 @@ class EntryMode(TorchFunctionMode):
             self._mark(out)
             return out
         self.stats["entry"] += 1
-        self._pending[id(y)] = _Pending(weakref.ref(y), u, None, dim)
+        self._pending[id(y)] = _Pending(weakref.ref(y), u, None, dim, None, tuple(y.shape))
         return y
 
     def _elementwise(self, func: Any, args: tuple, kwargs: dict) -> Tensor | None:
@@ -612,7 +610,7 @@ class EntryMode(TorchFunctionMode):
                 return None
             out = y if b.get("inplace") else y.clone()
             self._count(0, y.numel(), 0, y.numel())
-            self._pending[id(out)] = _Pending(weakref.ref(out), p.u, p.m, p.dim)
+            self._pending[id(out)] = _Pending(weakref.ref(out), p.u, p.m, p.dim, None, p.src)
             return out
         if func is F.batch_norm and (b is None or b.get("training")):
             return None
@@ -641,5 +639,5 @@ class EntryMode(TorchFunctionMode):
             out = func(*args, **kwargs)  # the model's own in-place op on the primal
             p.m = m
             return out
-        self._pending[id(primal)] = _Pending(weakref.ref(primal), p.u, m, p.dim)
+        self._pending[id(primal)] = _Pending(weakref.ref(primal), p.u, m, p.dim, None, p.src)
         return primal

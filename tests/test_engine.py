@@ -142,11 +142,13 @@ def test_memory_budget_chunks_and_keeps_results(mode: str) -> None:
         )
     minimum = int(re.search(r"minimum of (\d+) bytes", str(info.value)).group(1))
     assert minimum > result_bytes
-    # the stated minimum runs one row/tangent at a time; twice the minimum runs a few at a time
+    # the stated minimum runs one row/tangent at a time (fwd: for the tensor that needs the
+    # most; tensors that need less may run more samples per call)
     res = mj.per_sample_jacobian(
         model, case.inputs(), params=subset, mode=mode, memory_budget=minimum
     )
-    assert (res.chunk_size, res.inner_chunk_size) == (1, 1)
+    assert res.inner_chunk_size == 1
+    assert res.chunk_size == 1 or mode == "fwd"
     assert_same(res, ref)
     # growing budgets: identical results, rows/tangents per step never shrink, some in between
     inner = []
