@@ -165,8 +165,20 @@ def minimum_bytes(
 #: masked execution costs (a where() and an index_select per op). CPU numbers were measured with
 #: TinyFPN on 2 cores (torch 2.13, float32); CUDA numbers are estimates until measured.
 COST_CONSTANTS = {
-    "cpu": {"call_s": 3e-3, "unit_s": 1.2e-9, "masked": 1.3, "work_s": 2e-10},
-    "cuda": {"call_s": 4e-3, "unit_s": 2e-12, "masked": 1.3, "work_s": 2e-13},
+    "cpu": {
+        "call_s": 3e-3,
+        "unit_s": 1.2e-9,
+        "masked": 1.3,
+        "work_s": 2e-10,
+        "structured_factor": 3.0,
+    },
+    "cuda": {
+        "call_s": 4e-3,
+        "unit_s": 2e-12,
+        "masked": 1.3,
+        "work_s": 2e-13,
+        "structured_factor": 3.0,
+    },
 }
 
 
@@ -208,6 +220,8 @@ class EntryCost:
     generic: int
     structured_elems: int | None = None
     generic_elems: int | None = None
+    #: why the structured pass cannot run (``structured is None``)
+    reason: str = ""
 
 
 def survey(
@@ -222,15 +236,23 @@ def survey(
                 fn.entry_call(
                     name, values, levels, values[pos], values[pos].new_zeros(()), stats=rec
                 )
-            except NotStructuredError:
-                costs[name] = EntryCost(None, rec.get("dense_work", 0))
+            except NotStructuredError as err:
+                costs[name] = EntryCost(None, rec.get("dense_work", 0), reason=str(err))
                 continue
             structurable = name in fn.entry_names and rec["entry"] + rec["dense_entry"] > 0
+            reason = ""
+            if not structurable:
+                reason = (
+                    "not a weight/bias of a Conv1d/Conv2d/Linear module"
+                    if name not in fn.entry_names
+                    else "never reaches conv/linear as its weight/bias"
+                )
             costs[name] = EntryCost(
                 rec["work"] if structurable else None,
                 rec["dense_work"],
                 rec["elems"] if structurable else None,
                 rec["dense_elems"],
+                reason,
             )
     return costs
 
@@ -250,7 +272,9 @@ def choose_mode(
     Per sample, with ``O`` outputs, ``k_t`` entries of tensor ``t`` and per-tangent work
     ``w_t`` (structured) / ``d_t`` (generic) from :func:`survey`:
 
-    * fwd: ``sum_t k_t (min(w_t, d_t) + O)`` (``w_t`` only with ``entries`` auto/structured);
+    * fwd: ``sum_t k_t (min(f w_t, d_t) + O)`` (``w_t`` only with ``entries`` auto/structured;
+      ``f = structured_factor``: a structured multiply-add runs about 3x slower than one of a
+      dense batched conv, measured on CPU: one-channel GEMMs, gathers, a Python mode per op);
     * rev: ``O (2 max_t d_t + P)``: one backward per output row through every op after the
       earliest selected tensor (input and weight gradients), then the row written.
 
@@ -260,14 +284,15 @@ def choose_mode(
     seconds (keys ``fwd``, ``rev``).
     """
     c = COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])
+    slow = c["structured_factor"]
     use = {
         n: ec.structured is not None
         and entries is not Entries.GENERIC
-        and (entries is Entries.STRUCTURED or ec.structured < ec.generic)
+        and (entries is Entries.STRUCTURED or slow * ec.structured < ec.generic)
         for n, ec in costs.items()
     }
     fwd_work = sum(
-        numel[n] * ((ec.structured if use[n] else ec.generic) + outputs)  # type: ignore[operator]
+        numel[n] * ((slow * ec.structured if use[n] else ec.generic) + outputs)  # type: ignore[operator]
         for n, ec in costs.items()
     )
     dense = max((ec.generic for ec in costs.values()), default=0)

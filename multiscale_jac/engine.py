@@ -496,6 +496,12 @@ def _plan(
             )
         if structured:
             notes.append(f"mode: structured entries for {', '.join(structured)}")
+        if entries is Entries.STRUCTURED and mode is Mode.FWD:
+            notes.extend(
+                f"mode: {name} runs generic ({cost.reason})"
+                for name, cost in costs.items()
+                if name not in structured and name in fn.entry_names
+            )
     spans = _tangent_groups(fn.subset, mode, randomness)
 
     # what one vectorised step holds: rev, one output row of all P columns; fwd, one tangent

@@ -386,7 +386,6 @@ class EntryMode(TorchFunctionMode):
         self._pending: dict[int, _Pending] = {}
         self._tainted: dict[int, weakref.ref] = {}
         self._taint_all = False
-        self._copied = False
         #: counts of what ran: entry layers, one-channel consumers, copies, generic uses
         self.stats = {"entry": 0, "consume": 0, "materialize": 0, "generic": 0, "dense_entry": 0}
         #: per-tangent work (multiply-adds or elements written) of this pass (``work``) and of
@@ -427,7 +426,6 @@ class EntryMode(TorchFunctionMode):
             self.stats["materialize"] += 1
             k = 1 if p.kernels is None else p.kernels[0].numel()
             self._count(t.numel() * k, 0, t.numel(), 0)
-            self._copied = True
             p.copy = _Materialize.apply(
                 t, self.c0, p.u, self.geo.ochan, p.m, p.kernels, p.dim, False, p.src
             )
@@ -482,11 +480,10 @@ class EntryMode(TorchFunctionMode):
             raise NotStructuredError(
                 "an in-place op writes into a layer output with a pending structured tangent"
             )
-        if self._copied and self._taint(target):
-            raise NotStructuredError(
-                "an in-place op writes into a tensor with a tangent after a pending tangent was "
-                "copied (the copy and the original could diverge)"
-            )
+        if self._taint(target):
+            # a copy made for a pending tangent and its original could diverge, and vmap
+            # cannot write a per-entry tangent into an output of the structured functions
+            raise NotStructuredError("an in-place op writes into a tensor with a tangent")
 
     def _layer(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Tensor | None:
         b = _bind_op("linear" if kind == "linear" else "conv", args, kwargs)
