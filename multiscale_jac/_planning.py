@@ -280,8 +280,8 @@ def choose_mode(
 
     Times ``work_s`` and the sample count, plus ``call_s`` per vectorised call (one per tensor in
     fwd, one in rev). Returns the mode, the structured tensors (in fwd: those whose structured
-    work is lower; in rev: every candidate when ``entries='structured'``) and the estimates in
-    seconds (keys ``fwd``, ``rev``).
+    work is lower; in rev: every candidate unless ``entries='generic'``, filtered by the caller
+    to weight entries) and the estimates in seconds (keys ``fwd``, ``rev``).
     """
     c = COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])
     slow = c["structured_factor"]
@@ -305,4 +305,6 @@ def choose_mode(
         mode = Mode.FWD if est["fwd"] <= est["rev"] else Mode.REV
     if mode is Mode.FWD:
         return mode, tuple(n for n in costs if use[n]), est
-    return mode, (tuple(costs) if entries is Entries.STRUCTURED else ()), est
+    # rev: the entry-only backward (structured.py) is never worse than a full weight gradient
+    # per row, in time or memory; every candidate runs it unless entries='generic'
+    return mode, (() if entries is Entries.GENERIC else tuple(costs)), est

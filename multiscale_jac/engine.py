@@ -507,9 +507,19 @@ def _plan(
     # what one vectorised step holds: rev, one output row of all P columns; fwd, one tangent
     # of one span (measured by the survey where it ran, else the footprint estimate)
     steps = []
-    for lo, hi in [(0, numel)] if mode is Mode.REV else spans:
+    if mode is Mode.REV:
+        # each row's backward also holds the full gradient of every generic selected tensor
+        base = fn.params
+        dense = sum(
+            base[name].numel()
+            for name in fn.subset.names
+            if name not in structured and fn.subset.indices[name] is not None
+        )
+        largest = max(fp.largest for _, _, _, fp, _ in raw)
+        steps.append((numel, 2 * largest + (numel + dense) * itemsize))
+    for lo, hi in [] if mode is Mode.REV else spans:
         name = _span_tensor(fn.subset, (lo, hi))
-        cost = costs.get(name) if name is not None and mode is Mode.FWD else None
+        cost = costs.get(name) if name is not None else None
         elems = None
         if cost is not None:
             elems = cost.structured_elems if name in structured else cost.generic_elems

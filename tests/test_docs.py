@@ -18,6 +18,7 @@ def test_readme_quick_start_runs(capsys) -> None:
     exec(compile(blocks[0], "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "torch.Size([4, 3104, 500]) vmap fwd" in out  # the comment in the README is true
+    assert "('conv.2.weight',)" in out
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "examples").glob("*.py")))

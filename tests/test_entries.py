@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from cases import CASES, DTYPE
 from conftest import CASE_BY_ID, zoo_model
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -208,6 +208,10 @@ def test_random_conv_stacks_structured_match_loop(spec, mode: str) -> None:
     torch.manual_seed(seed)
     model = Stack(layers, c_in).to(DTYPE).eval()
     inputs = [torch.randn(batch, c_in, h, w, dtype=DTYPE) for h, w in shapes]
+    try:
+        model(inputs)
+    except RuntimeError:  # strides shrank a level below a kernel: not a valid model
+        assume(False)
     subset = entry_subset(model, "entries", seed=seed)
     ref = oracle(model, inputs, subset)
     res = mj.per_sample_jacobian(
