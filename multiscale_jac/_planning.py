@@ -171,6 +171,7 @@ COST_CONSTANTS = {
         "masked": 1.3,
         "work_s": 2e-10,
         "structured_factor": 3.0,
+        "rev_structured_min_numel": 4096,
     },
     "cuda": {
         "call_s": 4e-3,
@@ -178,6 +179,7 @@ COST_CONSTANTS = {
         "masked": 1.3,
         "work_s": 2e-13,
         "structured_factor": 3.0,
+        "rev_structured_min_numel": 4096,
     },
 }
 
@@ -266,6 +268,7 @@ def choose_mode(
     mode: Mode,
     entries: Entries,
     device: torch.device,
+    tensor_numel: dict[str, int] | None = None,
 ) -> tuple[Mode, tuple[str, ...], dict[str, float]]:
     """Pick ``rev``/``fwd`` (when ``mode`` is ``auto``) and the tensors that run structured.
 
@@ -280,8 +283,10 @@ def choose_mode(
 
     Times ``work_s`` and the sample count, plus ``call_s`` per vectorised call (one per tensor in
     fwd, one in rev). Returns the mode, the structured tensors (in fwd: those whose structured
-    work is lower; in rev: every candidate unless ``entries='generic'``, filtered by the caller
-    to weight entries) and the estimates in seconds (keys ``fwd``, ``rev``).
+    work is lower; in rev: with ``entries='auto'`` the tensors of at least
+    ``rev_structured_min_numel`` entries (``tensor_numel``), every candidate with
+    ``'structured'``; the caller keeps weight entries) and the estimates in seconds (keys
+    ``fwd``, ``rev``).
     """
     c = COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])
     slow = c["structured_factor"]
@@ -305,6 +310,14 @@ def choose_mode(
         mode = Mode.FWD if est["fwd"] <= est["rev"] else Mode.REV
     if mode is Mode.FWD:
         return mode, tuple(n for n in costs if use[n]), est
-    # rev: the entry-only backward (structured.py) is never worse than a full weight gradient
-    # per row, in time or memory; every candidate runs it unless entries='generic'
-    return mode, (() if entries is Entries.GENERIC else tuple(costs)), est
+    # rev: the entry-only backward (structured.py) saves a full weight gradient per output row;
+    # under auto it runs where that gradient is large (its fixed overhead loses on small tensors)
+    if entries is Entries.GENERIC:
+        return mode, (), est
+    sizes = tensor_numel or {}
+    big = c["rev_structured_min_numel"]
+    return (
+        mode,
+        tuple(n for n in costs if entries is Entries.STRUCTURED or sizes.get(n, 0) >= big),
+        est,
+    )

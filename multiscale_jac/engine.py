@@ -486,6 +486,7 @@ def _plan(
             mode=mode,
             entries=entries if per_tensor else Entries.GENERIC,
             device=values[0].device,
+            tensor_numel={name: t.numel() for name, t in fn.params.items() if name in costs},
         )
         if mode is Mode.REV:
             structured = fn.with_structured(structured).structured_names

@@ -20,12 +20,11 @@ model a fresh alias of each such weight, and the mode recognises the alias when 
 ``F.conv1d/conv2d/linear``; any other op that reads the alias gets the dense reparametrised
 weight instead (so weights used elsewhere, or twice, stay exact).
 
-Status: exact (``tests/test_structured.py``) but **not used by the engine yet**. Measured on CPU
-(ConvBlock in_ch 32, one sample, 167 entries of one weight, vmapped one-hot JVPs): 53 ms vs
-64 ms generic for the first conv, 12 ms vs 7 ms for the last. Under ``vmap`` the tangent's
-one-hotness is invisible, so the per-tangent work is a ``(C_out, k) @ (k, L)`` GEMM, not ``O(L)``;
-the win needs tangent batches built per entry (and the next layer exploiting a one-channel
-tangent), which is the next step of the structured-entries issue.
+Used by the engine in reverse mode (``entries="structured"``, or ``"auto"`` for weights of at
+least 4,096 entries): the backward computes only the selected entries' gradient instead of a full
+weight gradient per output row. Forward mode uses :mod:`~multiscale_jac.entries` instead: under
+``vmap`` the tangent's one-hotness is invisible here, so this jvp costs a ``(C_out, k) @ (k, L)``
+GEMM per tangent, not ``O(L)``.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import multiscale_jac as mj
+import multiscale_jac.models
 from multiscale_jac.adapter import PerSampleFunction
 from multiscale_jac.reference import per_sample_jacobian_loop
 
@@ -372,3 +373,31 @@ def test_memory_budget_holds_in_a_fresh_process() -> None:
     assert rec["result"] < budget
     rec = _planner(2**20)
     assert "below the estimated minimum" in rec["error"]
+
+
+def test_memory_budget_holds_on_cuda(cuda_device) -> None:
+    """On CUDA the planner's budget bounds ``max_memory_allocated`` over the call."""
+    torch.manual_seed(0)
+    model = mj.models.ConvBlock(16, 8).to(cuda_device).eval()
+    x = [
+        torch.randn(8, 16, 20, 20, device=cuda_device),
+        torch.randn(8, 16, 12, 12, device=cuda_device),
+    ]
+    g = torch.Generator().manual_seed(1)
+    subset = mj.ParamSubset.from_indices(
+        model,
+        {
+            n: torch.randperm(p.numel(), generator=g)[:60]
+            for n, p in model.named_parameters()
+            if n.endswith("weight")
+        },
+    )
+    budget = 64 * 2**20
+    torch.cuda.synchronize(cuda_device)
+    torch.cuda.reset_peak_memory_stats(cuda_device)
+    base = torch.cuda.memory_allocated(cuda_device)
+    res = mj.per_sample_jacobian(model, x, params=subset, memory_budget=budget)
+    torch.cuda.synchronize(cuda_device)
+    assert torch.cuda.max_memory_allocated(cuda_device) - base <= budget
+    cpu = mj.per_sample_jacobian(model.cpu(), [t.cpu() for t in x], params=subset)
+    torch.testing.assert_close(res.jacobian.cpu(), cpu.jacobian, atol=1e-4, rtol=1e-4)
