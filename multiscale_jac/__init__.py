@@ -8,7 +8,8 @@ Layers (each its own module; data flows one way):
                 :func:`map_levels` (one call of a shared head over all levels)
 4. subset    -- :class:`ParamSubset` (which parameter entries are differentiated)
 5. engine    -- :func:`per_sample_jacobian`, :class:`JacobianResult`
-6. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
+6. derived   -- :func:`diag_fisher` (diagonal Fisher / GGN over data)
+7. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
 """
 
 from . import reference
@@ -24,6 +25,7 @@ from .enums import (
     Randomness,
     Strategy,
 )
+from .fisher import DiagFisherResult, FisherKind, Likelihood, diag_fisher
 from .levels import LevelOutputs, map_levels
 from .masked import UnsupportedOpError
 from .packing import Bucket, PackedBatch, Signature, pack
@@ -49,6 +51,11 @@ __all__ = [
     # engine
     "JacobianResult",
     "per_sample_jacobian",
+    # derived quantities
+    "DiagFisherResult",
+    "FisherKind",
+    "Likelihood",
+    "diag_fisher",
     # reference
     "reference",
     # option enums and warnings
