@@ -8,7 +8,8 @@ Layers (each its own module; data flows one way):
                 :func:`map_levels` (one call of a shared head over all levels)
 4. subset    -- :class:`ParamSubset` (which parameter entries are differentiated)
 5. engine    -- :func:`per_sample_jacobian`, :class:`JacobianResult`
-6. derived   -- :func:`diag_fisher` (diagonal Fisher / GGN over data)
+6. derived   -- :func:`diag_fisher` (diagonal Fisher / GGN over data),
+                :func:`jacobian_sq_norm` (the Jacobian-norm regulariser and its exact gradient)
 7. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
 """
 
@@ -26,6 +27,7 @@ from .enums import (
     Strategy,
 )
 from .fisher import DiagFisherResult, FisherKind, Likelihood, diag_fisher
+from .jacnorm import Estimator, jacobian_sq_norm, jacobian_sq_norm_backward
 from .levels import LevelOutputs, map_levels
 from .masked import UnsupportedOpError
 from .packing import Bucket, PackedBatch, Signature, pack
@@ -53,9 +55,12 @@ __all__ = [
     "per_sample_jacobian",
     # derived quantities
     "DiagFisherResult",
+    "Estimator",
     "FisherKind",
     "Likelihood",
     "diag_fisher",
+    "jacobian_sq_norm",
+    "jacobian_sq_norm_backward",
     # reference
     "reference",
     # option enums and warnings

@@ -1,0 +1,161 @@
+"""jacobian_sq_norm: value, exact gradient (double backward, finite differences), chunking,
+the Hutchinson estimate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import DTYPE, make_subset
+from conftest import CASE_BY_ID, zoo_model
+
+import multiscale_jac as mj
+from multiscale_jac.jacnorm import jacobian_sq_norm, jacobian_sq_norm_backward
+
+CASE_IDS = ["seed_convblock_levels", "fpn_ragged", "mlp_vectors", "dense_per_pixel", "conv1d"]
+
+
+def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
+
+
+def double_backward(model, case, subset) -> dict[str, torch.Tensor]:
+    """grad of sum_i sum_o |g_io[subset]|^2 by plain autograd, one sample and row at a time."""
+    params = dict(model.named_parameters())
+    packed = mj.pack(case.inputs())
+    model.zero_grad(set_to_none=True)
+    for i in range(packed.num_samples):
+        levels = [t.unsqueeze(0) for t in packed.sample(i)]
+        out = model(levels[0] if packed.kind is mj.InputKind.TENSOR else levels)
+        if case.output_fn is not None:
+            out = case.output_fn(out)
+        out = out.reshape(-1)
+        total = 0
+        for o in range(out.numel()):
+            gs = torch.autograd.grad(out[o], list(params.values()), create_graph=True)
+            total = total + (subset.flatten(dict(zip(params, gs))) ** 2).sum()
+        total.backward()
+    ref = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    return ref
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_value_and_gradient_match_the_loop(case_id: str) -> None:
+    case = CASE_BY_ID[case_id]
+    model = zoo_model(case_id)
+    subset = make_subset(model, "elements", case)
+    jac = mj.per_sample_jacobian(
+        model, case.inputs(), params=subset, output_fn=case.output_fn
+    ).jacobian
+    model.zero_grad(set_to_none=True)
+    s = jacobian_sq_norm(model, case.inputs(), params=subset, output_fn=case.output_fn)
+    torch.testing.assert_close(s, (jac**2).sum(), atol=1e-10, rtol=0)
+    s.backward()
+    got = grads_of(model)
+    ref = double_backward(model, case, subset)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-10, rtol=0, msg=n)
+    # chunked, accumulating into .grad, equals the one-shot backward
+    for chunk in (1, 3):
+        model.zero_grad(set_to_none=True)
+        v = jacobian_sq_norm_backward(
+            model, case.inputs(), params=subset, output_fn=case.output_fn, chunk_size=chunk
+        )
+        torch.testing.assert_close(v, s.detach(), atol=1e-10, rtol=0)
+        for n, g in grads_of(model).items():
+            torch.testing.assert_close(g, ref[n], atol=1e-10, rtol=0, msg=n)
+    model.zero_grad(set_to_none=True)
+
+
+def test_gradient_matches_finite_differences() -> None:
+    case = CASE_BY_ID["mlp_vectors"]
+    model = zoo_model(case.id)
+    subset = mj.ParamSubset.from_names(model, "net.0.weight")
+    model.zero_grad(set_to_none=True)
+    jacobian_sq_norm(model, case.inputs(), params=subset).backward()
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    eps = 1e-6
+    for name, p in model.named_parameters():
+        for k in (0, p.numel() - 1):
+            with torch.no_grad():
+                old = p.view(-1)[k].item()
+                p.view(-1)[k] = old + eps
+                hi = jacobian_sq_norm(model, case.inputs(), params=subset).item()
+                p.view(-1)[k] = old - eps
+                lo = jacobian_sq_norm(model, case.inputs(), params=subset).item()
+                p.view(-1)[k] = old
+            fd = (hi - lo) / (2 * eps)
+            assert abs(fd - got[name].view(-1)[k].item()) < 1e-6 * max(1.0, abs(fd)), (name, k)
+
+
+def test_task_loss_plus_penalty() -> None:
+    """The documented training pattern: (task_loss + lam * S).backward()."""
+    model = zoo_model("mlp_vectors")
+    x = torch.randn(4, 5, dtype=DTYPE)
+    model.zero_grad(set_to_none=True)
+    loss = model(x).pow(2).mean()
+    (loss + 0.1 * jacobian_sq_norm(model, x)).backward()
+    both = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+    jacobian_sq_norm_backward(model, x, scale=0.1)
+    for n, g in grads_of(model).items():
+        torch.testing.assert_close(g, both[n], atol=1e-12, rtol=0)
+    model.zero_grad(set_to_none=True)
+
+
+def test_hutchinson_is_unbiased_and_consistent() -> None:
+    case = CASE_BY_ID["seed_convblock_levels"]
+    model = zoo_model(case.id)
+    subset = make_subset(model, "elements", case)
+    exact = jacobian_sq_norm(model, case.inputs(), params=subset).item()
+
+    def est(seed: int, k: int = 16) -> torch.Tensor:
+        return jacobian_sq_norm(
+            model,
+            case.inputs(),
+            params=subset,
+            estimator="hutchinson",
+            num_probes=k,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    mean = sum(est(s).item() for s in range(40)) / 40
+    # 640 Rademacher probes per sample: the relative error of the mean is a few percent
+    assert abs(mean - exact) < 0.05 * exact, (mean, exact)
+    # the gradient is the gradient of the estimate: the same probes give the same numbers
+    model.zero_grad(set_to_none=True)
+    est(7).backward()
+    g1 = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    jacobian_sq_norm_backward(
+        model,
+        case.inputs(),
+        params=subset,
+        estimator="hutchinson",
+        num_probes=16,
+        generator=torch.Generator().manual_seed(7),
+    )
+    for n, g in grads_of(model).items():
+        torch.testing.assert_close(g, g1[n], atol=1e-10, rtol=0)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        ({"estimator": "sketch"}, ValueError, "estimator"),
+        ({"num_probes": 0, "estimator": "hutchinson"}, ValueError, "num_probes"),
+        ({"num_probes": 4}, ValueError, "hutchinson"),
+        ({"chunk_size": 0}, ValueError, "chunk_size"),
+        ({"generator": 1}, TypeError, "generator"),
+    ],
+)
+def test_bad_arguments(kwargs, err, match) -> None:
+    model = zoo_model("mlp_vectors")
+    with pytest.raises(err, match=match):
+        jacobian_sq_norm(model, torch.randn(2, 5, dtype=DTYPE), **kwargs)
