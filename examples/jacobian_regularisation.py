@@ -26,11 +26,11 @@ def data(n: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--lam", type=float, default=1e-3)
     p.add_argument("--plot", help="save a PNG of loss and penalty (needs matplotlib)")
-    args = p.parse_args(argv)
+    args, _ = p.parse_known_args(argv)  # unknown options (e.g. a test runner's) are ignored
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(1, 4, 3),
@@ -73,5 +73,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # command-line options when run as a script; defaults when run by the test suite (runpy)
-    main(sys.argv[1:] if sys.argv[0].endswith("jacobian_regularisation.py") else [])
+    main(sys.argv[1:])
