@@ -35,6 +35,7 @@ __all__ = [
     "per_sample_bytes",
     "plan_chunks",
     "choose_mode",
+    "rev_structured",
     "survey",
 ]
 
@@ -310,14 +311,17 @@ def choose_mode(
         mode = Mode.FWD if est["fwd"] <= est["rev"] else Mode.REV
     if mode is Mode.FWD:
         return mode, tuple(n for n in costs if use[n]), est
-    # rev: the entry-only backward (structured.py) saves a full weight gradient per output row;
-    # under auto it runs where that gradient is large (its fixed overhead loses on small tensors)
+    return mode, rev_structured(tuple(costs), tensor_numel or {}, entries, device), est
+
+
+def rev_structured(
+    names: tuple[str, ...], tensor_numel: dict[str, int], entries: Entries, device: torch.device
+) -> tuple[str, ...]:
+    """Candidates for the entry-only backward in rev mode (``structured.py``): it saves a full
+    weight gradient per output row, so under ``auto`` it runs where that gradient is large (its
+    fixed overhead loses on small tensors); all with ``structured``, none with ``generic``.
+    The caller keeps weight entries (``PerSampleFunction.with_structured``)."""
     if entries is Entries.GENERIC:
-        return mode, (), est
-    sizes = tensor_numel or {}
-    big = c["rev_structured_min_numel"]
-    return (
-        mode,
-        tuple(n for n in costs if entries is Entries.STRUCTURED or sizes.get(n, 0) >= big),
-        est,
-    )
+        return ()
+    big = COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])["rev_structured_min_numel"]
+    return tuple(n for n in names if entries is Entries.STRUCTURED or tensor_numel.get(n, 0) >= big)

@@ -51,6 +51,7 @@ from ._planning import (
     measure,
     minimum_bytes,
     plan_chunks,
+    rev_structured,
     survey,
 )
 from .adapter import PerSampleFunction
@@ -471,7 +472,14 @@ def _plan(
                 "mode: structured entries need a bucketed/vmap strategy and per-tensor "
                 "tangents (randomness='error'); ran generic"
             )
-    elif mode is not Mode.AUTO and entries is Entries.GENERIC:
+    elif mode is Mode.REV:  # no survey needed: the rev rule only looks at tensor sizes
+        sizes_of = {name: t.numel() for name, t in fn.params.items() if name in fn.subset.names}
+        structured = fn.with_structured(
+            rev_structured(fn.subset.names, sizes_of, entries, values[0].device)
+        ).structured_names
+        if structured:
+            notes.append(f"mode: structured entries for {', '.join(structured)}")
+    elif entries is Entries.GENERIC and mode is not Mode.AUTO:
         pass
     else:
         first = raw[0][2](raw[0][0][:1])
