@@ -3,7 +3,8 @@
 For every model of the test zoo (``tests/cases.py``) and two subsets (a few entries of every
 tensor; the case's tensors by name), time the four fixed combinations ``mode`` x ``entries``
 (``rev``/``fwd`` x ``generic``/``structured``) and the auto path, each the minimum of
-``--repeats`` runs after a warm-up, all with the same strategy (``vmap``/``bucketed``). A row
+``--repeats`` runs after a warm-up, all with the same strategy (``vmap``/``bucketed``), and a
+training step on the same batch in the same run (auto's time is also given as a ratio to it). A row
 passes when auto is not slower than the slowest fixed combination (with a 10% allowance for
 timer noise); it also records auto's rank and its ratio to the fastest. Results:
 ``benchmarks/results/bench_choice.json`` and a table on stdout.
@@ -24,12 +25,20 @@ from typing import Any
 
 import torch
 from _common import REPO_ROOT, env_stamp, markdown_table, write_json
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 from cases import CASES, make_subset
 
-from multiscale_jac import ParamSubset, per_sample_jacobian
+from multiscale_jac import (
+    InputKind,
+    Layout,
+    PackedBatch,
+    ParamSubset,
+    pack,
+    per_sample_jacobian,
+)
 
 COMBOS = [(m, e) for m in ("rev", "fwd") for e in ("generic", "structured")]
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -42,6 +51,26 @@ def entries_subset(model: torch.nn.Module) -> ParamSubset:
         n = p.numel()
         chosen[name] = torch.randperm(n, generator=g)[: max(1, min(8, n // 3))]
     return ParamSubset.from_indices(model, chosen)
+
+
+def training_step(model: torch.nn.Module, case: Any) -> Any:
+    """One ordinary training step on the case's batch: forward of every shape bucket (samples
+    stacked), the sum of the outputs backward, gradients accumulating over buckets."""
+    inputs = case.inputs()
+    packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        for b in packed.buckets():
+            levels = packed.stack(b.indices)
+            if packed.layout is Layout.NESTED:  # the model takes tokens (B, positions, C)
+                levels = [t.flatten(2).transpose(1, 2) for t in levels]
+            out = model(levels[0] if packed.kind is InputKind.TENSOR else levels)
+            if case.output_fn is not None:
+                out = case.output_fn(out)
+            sum(t.sum() for t in tree_leaves(out)).backward()  # tensor, list or dict output
+
+    return step
 
 
 def best_time(fn, repeats: int) -> float:
@@ -90,6 +119,8 @@ def main(args: argparse.Namespace) -> int:
             }
             auto_t = best_time(lambda: run("auto", "auto"), args.repeats)
             res = run("auto", "auto")
+            train_t = best_time(training_step(model, case), args.repeats)
+            model.zero_grad(set_to_none=True)
             slowest, fastest = max(times.values()), min(times.values())
             rows.append(
                 {
@@ -98,6 +129,8 @@ def main(args: argparse.Namespace) -> int:
                     "P": subset.numel,
                     "times": times,
                     "auto_seconds": auto_t,
+                    "train_step_seconds": train_t,
+                    "auto_x_train_step": auto_t / train_t,
                     "auto_ran": f"{res.mode.value}, structured {len(res.structured)}/{len(subset.names)}",
                     "auto_rank": 1 + sum(t < auto_t for t in times.values()),
                     "auto_over_fastest": auto_t / fastest,
@@ -121,6 +154,8 @@ def main(args: argparse.Namespace) -> int:
                 "P",
                 *[f"{m}/{e} ms" for m, e in COMBOS],
                 "auto ms",
+                "train step ms",
+                "auto x train step",
                 "auto ran",
                 "rank (of 5)",
                 "auto / fastest",
@@ -133,6 +168,8 @@ def main(args: argparse.Namespace) -> int:
                     r["P"],
                     *[f"{r['times'][f'{m}/{e}'] * 1e3:.1f}" for m, e in COMBOS],
                     f"{r['auto_seconds'] * 1e3:.1f}",
+                    f"{r['train_step_seconds'] * 1e3:.2f}",
+                    f"{r['auto_x_train_step']:.0f}",
                     r["auto_ran"],
                     r["auto_rank"],
                     f"{r['auto_over_fastest']:.2f}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
@@ -14,9 +15,11 @@ from .enums import BatchNormPolicy, Randomness
 __all__ = [
     "check_bool",
     "check_chunk_size",
+    "check_generator",
     "check_memory_budget",
     "check_model",
     "check_output_fn",
+    "check_positive_int",
     "check_train_mode_layers",
 ]
 
@@ -35,6 +38,22 @@ def check_chunk_size(chunk_size: Any) -> int | None:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     return chunk_size
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int; got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
+
+
+def check_generator(generator: Any) -> Any:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None; got {type(generator).__name__}"
+        )
+    return generator
 
 
 def check_memory_budget(budget: Any) -> int | None:

@@ -234,17 +234,18 @@ class PerSampleFunction:
             self.entry_geometry(name),
         )
         params[name] = alias
-        out = self.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
-        if stats is not None:
-            counts = {
-                "work": mode.work,
-                "dense_work": mode.dense_work,
-                "elems": mode.elems,
-                "dense_elems": mode.dense_elems,
-            }
-            for k, n in (*mode.stats.items(), *counts.items()):
-                stats[k] = stats.get(k, 0) + n
-        return out
+        try:
+            return self.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
+        finally:  # also what was counted before a NotStructuredError
+            if stats is not None:
+                counts = {
+                    "work": mode.work,
+                    "dense_work": mode.dense_work,
+                    "elems": mode.elems,
+                    "dense_elems": mode.dense_elems,
+                }
+                for k, n in (*mode.stats.items(), *counts.items()):
+                    stats[k] = stats.get(k, 0) + n
 
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
         if not self.structured_names:

@@ -463,6 +463,8 @@ def _plan(
             raw.append((b.indices, fn, packed.stack, fp, None))
     structured: tuple[str, ...] = ()
     costs: dict[str, EntryCost] = {}
+    base = fn.params
+    tensor_numel = {name: base[name].numel() for name in fn.subset.names}
     per_tensor = randomness is Randomness.ERROR  # fwd spans are single tensors
     if strategy is Strategy.PADDED or (mode is Mode.FWD and not per_tensor):
         if mode is Mode.AUTO:
@@ -473,9 +475,8 @@ def _plan(
                 "tangents (randomness='error'); ran generic"
             )
     elif mode is Mode.REV:  # no survey needed: the rev rule only looks at tensor sizes
-        sizes_of = {name: t.numel() for name, t in fn.params.items() if name in fn.subset.names}
         structured = fn.with_structured(
-            rev_structured(fn.subset.names, sizes_of, entries, values[0].device)
+            rev_structured(fn.subset.names, tensor_numel, entries, values[0].device)
         ).structured_names
         if structured:
             notes.append(f"mode: structured entries for {', '.join(structured)}")
@@ -494,7 +495,7 @@ def _plan(
             mode=mode,
             entries=entries if per_tensor else Entries.GENERIC,
             device=values[0].device,
-            tensor_numel={name: t.numel() for name, t in fn.params.items() if name in costs},
+            tensor_numel=tensor_numel,
         )
         if mode is Mode.REV:
             structured = fn.with_structured(structured).structured_names
@@ -518,21 +519,21 @@ def _plan(
     steps = []
     if mode is Mode.REV:
         # each row's backward also holds the full gradient of every generic selected tensor
-        base = fn.params
         dense = sum(
-            base[name].numel()
+            tensor_numel[name]
             for name in fn.subset.names
             if name not in structured and fn.subset.indices[name] is not None
         )
         largest = max(fp.largest for _, _, _, fp, _ in raw)
         steps.append((numel, 2 * largest + (numel + dense) * itemsize))
-    for lo, hi in [] if mode is Mode.REV else spans:
-        name = _span_tensor(fn.subset, (lo, hi))
-        cost = costs.get(name) if name is not None else None
-        elems = None
-        if cost is not None:
-            elems = cost.structured_elems if name in structured else cost.generic_elems
-        steps.append((hi - lo, None if elems is None else elems * itemsize))
+    else:
+        for lo, hi in spans:
+            name = _span_tensor(fn.subset, (lo, hi))
+            cost = costs.get(name) if name is not None else None
+            elems = None
+            if cost is not None:
+                elems = cost.structured_elems if name in structured else cost.generic_elems
+            steps.append((hi - lo, None if elems is None else elems * itemsize))
     available = None
     if memory_budget is not None:
         result_bytes = n * max(sizes) * numel * itemsize
@@ -704,13 +705,11 @@ def _fwd_block(
                 tangents.append(tangent[a - lo : b - lo].reshape(vals[k].shape))
             return jvp(f_active, primals, tuple(tangents))[1]
 
-        cols = []
-        for s in range(0, width, step):
-            c = min(step, width - s)
-            basis = vals[0].new_zeros((c, width))
-            basis[torch.arange(c), torch.arange(s, s + c)] = 1
-            cols.append(vmap(one, randomness=inner_rand)(basis))
-        return torch.cat(cols).transpose(0, 1)
+        cols = [
+            vmap(one, randomness=inner_rand)(basis)
+            for _, basis in _one_hot_chunks(width, step, vals[0])
+        ]
+        return (cols[0] if len(cols) == 1 else torch.cat(cols)).transpose(0, 1)
 
     in_dims = (None,) + (0,) * len(levels)
     return vmap(per_sample, in_dims=in_dims, randomness=randomness.value)(values, *levels)
@@ -743,17 +742,23 @@ def _entry_block(
         def one(hot: Tensor, j: Tensor) -> Tensor:
             return jvp(f, (vals[pos], c0), (hot.view_as(v0), j))[1]
 
-        cols = []
-        for s in range(0, k, step):
-            c = min(step, k - s)
-            hot = v0.new_zeros((c, k))
-            hot[torch.arange(c), torch.arange(s, s + c)] = 1
-            j = torch.arange(s, s + c, dtype=v0.dtype, device=v0.device)
-            cols.append(vmap(one, randomness=inner_rand)(hot, j))
+        cols = [vmap(one, randomness=inner_rand)(hot, j) for j, hot in _one_hot_chunks(k, step, v0)]
         return (cols[0] if len(cols) == 1 else torch.cat(cols)).transpose(0, 1)
 
     in_dims = (None,) + (0,) * len(levels)
     return vmap(per_sample, in_dims=in_dims, randomness=randomness.value)(values, *levels)
+
+
+def _one_hot_chunks(width: int, step: int, like: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """One-hot tangents ``(c, width)`` in chunks of ``step``, each with its column indices
+    ``(c,)`` (in ``like``'s dtype: the entry index ``j`` the structured pass reads)."""
+    out = []
+    for s in range(0, width, step):
+        c = min(step, width - s)
+        hot = like.new_zeros((c, width))
+        hot[torch.arange(c), torch.arange(s, s + c)] = 1
+        out.append((torch.arange(s, s + c, dtype=like.dtype, device=like.device), hot))
+    return out
 
 
 def _tangent_groups(

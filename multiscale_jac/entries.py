@@ -34,6 +34,7 @@ path for that tensor and records why.
 from __future__ import annotations
 
 import inspect
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ from torch import Tensor
 from torch.func import jvp
 from torch.overrides import TorchFunctionMode
 
-from .masked import _bind_op, _ntuple, _tensors
+from .masked import ACTIVATIONS, _bind_op, _ntuple, _tensors
+from .structured import numeric_padding, selected_columns
 
 __all__ = ["EntryGeometry", "EntryMode", "NotStructuredError", "entry_geometry"]
 
@@ -56,15 +58,11 @@ class NotStructuredError(RuntimeError):
 
 @dataclass(frozen=True)
 class EntryGeometry:
-    """Where the selected entries of one tensor sit: their output channel and their position
-    within that channel's slice (``i * K + u * kw + v`` for conv weights, ``i`` for linear
-    weights, unused for biases)."""
+    """The selected entries of one tensor: their flat indices and their output channel."""
 
+    flat: Tensor  # (k,) long
     ochan: Tensor  # (k,) long
-    within: Tensor  # (k,) long
     is_bias: bool
-    numel: int  # entries of the whole tensor
-    shape: tuple[int, ...]
 
 
 def entry_geometry(
@@ -72,18 +70,9 @@ def entry_geometry(
 ) -> EntryGeometry:
     """The :class:`EntryGeometry` of entries ``idx`` (flat; ``None``: all) of a weight or bias
     of shape ``shape`` (a 1-d tensor is taken for a bias)."""
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     flat = torch.arange(numel, device=device) if idx is None else idx.to(device)
-    per_out = numel // shape[0]
-    return EntryGeometry(
-        ochan=flat // per_out,
-        within=flat % per_out,
-        is_bias=len(shape) == 1,
-        numel=numel,
-        shape=tuple(shape),
-    )
+    return EntryGeometry(flat=flat, ochan=flat // (numel // shape[0]), is_bias=len(shape) == 1)
 
 
 # ---------------------------------------------------------------------- autograd functions
@@ -229,32 +218,7 @@ class _Pending:
 
 
 #: elementwise ops that keep a tangent pending (derivative: ``jvp`` with a ones tangent)
-_ELEMENTWISE = {
-    torch.relu,
-    F.relu,
-    torch.Tensor.relu,
-    F.relu6,
-    F.leaky_relu,
-    F.elu,
-    F.selu,
-    F.celu,
-    F.gelu,
-    F.silu,
-    F.mish,
-    F.hardswish,
-    F.hardsigmoid,
-    F.hardtanh,
-    F.softplus,
-    F.softsign,
-    F.sigmoid,
-    torch.sigmoid,
-    torch.Tensor.sigmoid,
-    F.tanh,
-    torch.tanh,
-    torch.Tensor.tanh,
-    F.prelu,
-    F.batch_norm,
-}
+_ELEMENTWISE = {*ACTIVATIONS, F.batch_norm}
 _INPLACE_TO_OUT = {torch.relu_: torch.relu, torch.Tensor.relu_: torch.relu, F.relu_: torch.relu}
 _IDENTITY_IF_OFF = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout}
 _SIGS: dict[Any, inspect.Signature | None] = {}
@@ -387,7 +351,14 @@ class EntryMode(TorchFunctionMode):
         self._tainted: dict[int, weakref.ref] = {}
         self._taint_all = False
         #: counts of what ran: entry layers, one-channel consumers, copies, generic uses
-        self.stats = {"entry": 0, "consume": 0, "materialize": 0, "generic": 0, "dense_entry": 0}
+        self.stats = {
+            "entry": 0,
+            "consume": 0,
+            "chain": 0,
+            "materialize": 0,
+            "generic": 0,
+            "dense_entry": 0,
+        }
         #: per-tangent work (multiply-adds or elements written) of this pass (``work``) and of
         #: the generic one-hot pass over the same ops (``dense_work``), and the elements of the
         #: tangents they create (``elems``, ``dense_elems``; a sum over ops, so an upper bound of
@@ -531,7 +502,7 @@ class EntryMode(TorchFunctionMode):
         else:
             tconv = F.conv_transpose2d if kind == "conv2d" else F.conv_transpose1d
             kernels = tconv(p.kernels, w.transpose(0, 1))
-        self.stats["chain"] = self.stats.get("chain", 0) + 1
+        self.stats["chain"] += 1
         macs = y.numel() * w[0].numel()
         self._count(0, macs, 0, y.numel())
         self._pending[id(y)] = _Pending(weakref.ref(y), p.u, p.m, 1, kernels, p.src)
@@ -546,46 +517,31 @@ class EntryMode(TorchFunctionMode):
         if kind == "linear":
             y = F.linear(x, w, bias)
             dim = y.dim() - 1
-            u = None if self.geo.is_bias else x.index_select(-1, self.geo.within)
+            u = None if self.geo.is_bias else x.index_select(-1, self.geo.flat % x.shape[-1])
         else:
             nd = 2 if kind == "conv2d" else 1
             if x.dim() != nd + 2:
                 return None
-            padding = b["padding"]
-            ksize = tuple(w.shape[2:])
             dilation = _ntuple(b["dilation"], nd)
-            if isinstance(padding, str):
-                if padding == "valid":
-                    padding = 0
-                elif any(d * (k - 1) % 2 for d, k in zip(dilation, ksize)):
-                    return None  # asymmetric 'same'
-                else:
-                    padding = tuple(d * (k - 1) // 2 for d, k in zip(dilation, ksize))
-            stride, padding = _ntuple(b["stride"], nd), _ntuple(padding, nd)
-            groups = b["groups"]
+            padding = numeric_padding(b["padding"], dilation, tuple(w.shape[2:]))
+            if padding is None:
+                return None  # asymmetric 'same'
+            stride, groups = _ntuple(b["stride"], nd), b["groups"]
             y = func(x, w, bias, stride, padding, dilation, groups)
             dim = 1
             u = None
             if not self.geo.is_bias:
-                cout = w.shape[0]
-                group = self.geo.ochan // (cout // groups)
-                rows = group * self.geo.within.new_tensor(w[0].numel()) + self.geo.within
-                x2 = x if nd == 2 else x.unsqueeze(2)
-                k2 = ksize if nd == 2 else (1, *ksize)
-                s2, p2, d2 = (
-                    (stride, padding, dilation)
-                    if nd == 2
-                    else ((1, *stride), (0, *padding), (1, *dilation))
-                )
-                cols = F.unfold(x2, k2, dilation=d2, padding=p2, stride=s2)  # (B, C*K, L)
-                u = cols.index_select(1, rows).view(x.shape[0], -1, *y.shape[2:])
+                cols = selected_columns(x, w, self.geo.flat, stride, padding, dilation, groups)
+                u = cols.view(x.shape[0], -1, *y.shape[2:])
         macs = y.numel() * (w[0].numel() if kind != "linear" else w.shape[-1])
         self._count(0, macs, 0, y.numel())
         if self._taint_all or self._taint(x):
             # the input carries a tangent too: dense route
             self.stats["dense_entry"] += 1
             self._count(macs + y.numel(), 0, y.numel(), 0)
-            out = _Materialize.apply(y, self.c0, u, self.geo.ochan, None, None, None, dim, True)
+            out = _Materialize.apply(
+                y, self.c0, u, self.geo.ochan, None, None, dim, True, tuple(y.shape)
+            )
             self._mark(out)
             return out
         self.stats["entry"] += 1

@@ -29,7 +29,16 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad, vmap
 
-from ._checks import check_bool, check_model, check_output_fn, check_train_mode_layers
+from ._checks import (
+    check_bool,
+    check_chunk_size,
+    check_generator,
+    check_memory_budget,
+    check_model,
+    check_output_fn,
+    check_positive_int,
+    check_train_mode_layers,
+)
 from .adapter import PerSampleFunction
 from .engine import per_sample_jacobian
 from .enums import BatchNormPolicy, InputKind, Randomness, _StrEnum, parse_enum
@@ -131,14 +140,16 @@ def diag_fisher(
     kind = parse_enum(FisherKind, kind, "kind")
     batch_norm_policy = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
     progress = check_bool(progress, "progress")
-    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
-        raise ValueError(f"mc_samples must be a positive int; got {mc_samples!r}")
-    if not isinstance(sigma_noise, (int, float)) or not sigma_noise > 0:
+    mc_samples = check_positive_int(mc_samples, "mc_samples")
+    if isinstance(sigma_noise, bool) or not isinstance(sigma_noise, (int, float)):
+        raise TypeError(f"sigma_noise must be a positive number; got {sigma_noise!r}")
+    if not sigma_noise > 0:
         raise ValueError(f"sigma_noise must be a positive number; got {sigma_noise!r}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None; got {chunk_size!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator; got {type(generator).__name__}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int; got {ignore_index!r}")
+    chunk_size = check_chunk_size(chunk_size)
+    memory_budget = check_memory_budget(memory_budget)
+    generator = check_generator(generator)
     subset = resolve_subset(params, model)
     eval_bn = check_train_mode_layers(model, batch_norm_policy, Randomness.ERROR)
     total = None
@@ -160,11 +171,9 @@ def diag_fisher(
         per_sample = [t.to(fn.device) for t in per_sample]
         if kind is FisherKind.EXACT:
             part = _exact(
-                model,
+                fn,
                 packed,
                 per_sample,
-                subset,
-                output_fn,
                 likelihood,
                 sigma_noise,
                 ignore_index,
@@ -338,11 +347,9 @@ def _draw(
 
 
 def _exact(
-    model: nn.Module,
+    fn: PerSampleFunction,
     packed: PackedBatch,
     targets: list[Tensor],
-    subset: ParamSubset,
-    output_fn: Callable[[Any], Any] | None,
     likelihood: Likelihood,
     sigma: float,
     ignore: int,
@@ -351,31 +358,29 @@ def _exact(
     batch_norm: BatchNormPolicy,
 ) -> Tensor:
     """``sum_i diag(J_i^T Lambda_i J_i)`` for one batch, from the engine's per-sample Jacobians
-    in chunks of samples."""
+    in chunks of samples (``fn``'s output function is a :class:`_Capture`; classification reads
+    each sample's logits from it)."""
     total = None
     n = packed.num_samples
     step = chunk or 8
-    fn = PerSampleFunction(model, subset, packed.kind, _Capture(output_fn))
     values = fn.values()
     for s in range(0, n, step):
         idx = list(range(s, min(n, s + step)))
         part = _subbatch(packed, idx)
         res = per_sample_jacobian(
-            model,
+            fn.model,
             part,
-            params=subset,
-            output_fn=output_fn,
+            params=fn.subset,
+            output_fn=fn.output_fn.user,  # type: ignore[union-attr]
             memory_budget=memory_budget,
             batch_norm=batch_norm,
         )
         for k, i in enumerate(idx):
-            sample = tuple(t for t in part.sample(k))
-            out = _raw_output(fn, values, sample)
-            o = out.numel()
-            jac = res.jacobian[k, :o]  # (O, P)
+            jac = res.jacobian[k, : res.output_sizes[k]]  # (O, P)
             if likelihood is Likelihood.REGRESSION:
                 d = (jac**2).sum(0) / sigma**2
             else:
+                out = _raw_output(fn, values, tuple(part.sample(k)))
                 c = out.shape[1]
                 j = jac.view(c, -1, jac.shape[-1])  # (C, positions, P)
                 p = torch.softmax(out.reshape(c, -1), dim=0).unsqueeze(-1)  # (C, positions, 1)

@@ -26,7 +26,14 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad, jvp, vmap
 
-from ._checks import check_chunk_size, check_model, check_output_fn, check_train_mode_layers
+from ._checks import (
+    check_chunk_size,
+    check_generator,
+    check_model,
+    check_output_fn,
+    check_positive_int,
+    check_train_mode_layers,
+)
 from .adapter import PerSampleFunction
 from .enums import BatchNormPolicy, Randomness, _StrEnum, parse_enum
 from .packing import PackedBatch, pack
@@ -130,6 +137,8 @@ class _Job:
         self.mask: dict[str, Tensor]
         self.chunk = 16
         self.probes: dict[int, Tensor] | None = None
+        #: outputs per sample of every bucket, keyed by its first sample
+        self.outputs: dict[int, int] = {}
 
     @classmethod
     def build(
@@ -149,14 +158,11 @@ class _Job:
         chunk = check_chunk_size(chunk_size) or 16
         est = parse_enum(Estimator, estimator, "estimator")
         policy = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
-        if num_probes is not None and (
-            isinstance(num_probes, bool) or not isinstance(num_probes, int) or num_probes < 1
-        ):
-            raise ValueError(f"num_probes must be a positive int; got {num_probes!r}")
-        if num_probes is not None and est is Estimator.EXACT:
-            raise ValueError("num_probes is only used with estimator='hutchinson'")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator; got {type(generator).__name__}")
+        if num_probes is not None:
+            num_probes = check_positive_int(num_probes, "num_probes")
+            if est is Estimator.EXACT:
+                raise ValueError("num_probes is only used with estimator='hutchinson'")
+        generator = check_generator(generator)
         job = cls()
         job.packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
         subset = resolve_subset(params, model)
@@ -173,11 +179,12 @@ class _Job:
             torch.ones(subset.numel, dtype=named[subset.names[0]].dtype)
         ).items():
             job.mask[name] = t.to(named[name].device)
+        job.outputs = {b.indices[0]: job._outputs(b.indices[:1]) for b in job.packed.buckets()}
         if est is Estimator.HUTCHINSON:
             k = num_probes or 8
             job.probes = {}
             for b in job.packed.buckets():
-                o = int(job._outputs(b.indices[:1]))
+                o = job.outputs[b.indices[0]]
                 for i in b.indices:
                     u = torch.randint(0, 2, (k, o), generator=generator).to(
                         named[subset.names[0]].dtype
@@ -188,7 +195,7 @@ class _Job:
     def _outputs(self, idx: list[int]) -> int:
         levels = tuple(t[0] for t in self.packed.stack(idx))
         with torch.no_grad():
-            return self.fn.call(self.fn.params, levels).numel()
+            return int(self.fn.call(self.fn.params, levels).numel())
 
     def run(self, *, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """``S`` and (optionally) ``grad S`` w.r.t. every parameter, summed over chunks."""
@@ -215,7 +222,7 @@ class _Job:
             return vals.sum() * scale, {n: h.sum(0) * scale for n, h in hvs.items()}
 
         for b in self.packed.buckets():
-            o = self._outputs(b.indices[:1])
+            o = self.outputs[b.indices[0]]
             eye = torch.eye(o, dtype=value.dtype, device=value.device)
             for s in range(0, len(b.indices), self.chunk):
                 idx = b.indices[s : s + self.chunk]

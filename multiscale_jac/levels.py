@@ -47,6 +47,7 @@ from .masked import (
     _tensors,
     _zero_preserving,
 )
+from .structured import numeric_padding
 
 __all__ = ["AUTO_PACKING", "CanvasMode", "LevelOutputs", "canvas_layout", "map_levels"]
 
@@ -439,14 +440,9 @@ def _conv(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
         raise mode.unsupported(func, "a canvas as conv weight")
     kernel = tuple(w.shape[2:])
     stride, dilation = _ntuple(b["stride"], 2), _ntuple(b["dilation"], 2)
-    padding = b["padding"]
-    if padding == "valid":
-        padding = (0, 0)
-    elif padding == "same":
-        padding = tuple(d * (k - 1) // 2 for d, k in zip(dilation, kernel))
-        if any(d * (k - 1) % 2 for d, k in zip(dilation, kernel)):
-            raise mode.unsupported(func, "padding='same' with an even kernel")
-    padding = _ntuple(padding, 2)
+    padding = numeric_padding(b["padding"], dilation, kernel)
+    if padding is None:
+        raise mode.unsupported(func, "padding='same' with an even kernel")
     boxes = _window(mode, func, mode.boxes(x), kernel, stride, padding, dilation, False)
     return mode.rezero(func(*args, **kwargs), boxes)
 

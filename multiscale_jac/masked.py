@@ -385,12 +385,12 @@ def _ntuple(x: Any, n: int) -> tuple:
 
 
 # ---------------------------------------------------------------------- elementwise
-_UNARY = [
+#: pure elementwise activations (out of place), shared with the structured forward pass
+#: (``entries``), which keeps a pending tangent through them
+ACTIVATIONS = [
     torch.relu,
     F.relu,
     torch.Tensor.relu,
-    torch.relu_,
-    torch.Tensor.relu_,
     F.relu6,
     F.leaky_relu,
     F.elu,
@@ -404,14 +404,20 @@ _UNARY = [
     F.hardtanh,
     F.softplus,
     F.softsign,
-    F.tanhshrink,
-    F.logsigmoid,
     F.sigmoid,
     torch.sigmoid,
     torch.Tensor.sigmoid,
     F.tanh,
     torch.tanh,
     torch.Tensor.tanh,
+    F.prelu,
+]
+_UNARY = [
+    *ACTIVATIONS,
+    torch.relu_,
+    torch.Tensor.relu_,
+    F.tanhshrink,
+    F.logsigmoid,
     torch.exp,
     torch.Tensor.exp,
     torch.abs,
@@ -435,7 +441,6 @@ _UNARY = [
     F.dropout2d,
     F.dropout3d,
     F.alpha_dropout,
-    F.prelu,
     torch.Tensor.contiguous,
     torch.Tensor.clone,
     torch.clone,

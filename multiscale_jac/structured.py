@@ -68,8 +68,37 @@ def _conv_geometry(w0: Tensor, idx: Tensor, groups: int) -> tuple[Tensor, Tensor
     return o, group * per_out + idx % per_out
 
 
-def _unfold(x: Tensor, kernel: tuple[int, int], stride, padding, dilation) -> Tensor:
-    return F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C*K, L)
+def selected_columns(
+    x: Tensor, w0: Tensor, idx: Tensor, stride: Any, padding: Any, dilation: Any, groups: int
+) -> Tensor:
+    """``(B, k, L)``: the ``unfold`` row of ``x`` that every selected entry ``idx`` of the conv
+    weight ``w0`` multiplies (input channel shifted by the entry's kernel offset); ``x`` is
+    ``(B, C, H, W)`` (conv2d) or ``(B, C, L)`` (conv1d, unfolded as ``(B, C, 1, L)``), numeric
+    ``padding``."""
+    _, rows = _conv_geometry(w0, idx, groups)
+    kernel = tuple(w0.shape[2:])
+    if x.dim() == 3:
+        x, kernel = x.unsqueeze(2), (1, *kernel)
+        stride = (1, *_ntuple(stride, 1))
+        padding = (0, *_ntuple(padding, 1))
+        dilation = (1, *_ntuple(dilation, 1))
+    cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C*K, L)
+    return cols.index_select(1, rows)
+
+
+def numeric_padding(
+    padding: Any, dilation: tuple[int, ...], kernel: tuple[int, ...]
+) -> tuple | None:
+    """A conv's ``padding`` as numbers: ``'valid'`` -> zeros, ``'same'`` -> half the dilated
+    kernel, or ``None`` for ``'same'`` with an even dilated kernel (asymmetric padding)."""
+    nd = len(kernel)
+    if not isinstance(padding, str):
+        return _ntuple(padding, nd)
+    if padding == "valid":
+        return (0,) * nd
+    if any(d * (k - 1) % 2 for d, k in zip(dilation, kernel)):
+        return None
+    return tuple(d * (k - 1) // 2 for d, k in zip(dilation, kernel))
 
 
 class _SelectedConv(torch.autograd.Function):
@@ -92,9 +121,8 @@ class _SelectedConv(torch.autograd.Function):
     @staticmethod
     def _columns(ctx, x: Tensor, w0: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
         stride, padding, dilation, groups = ctx.conv
-        o, rows = _conv_geometry(w0, idx, groups)
-        cols = _unfold(x, tuple(w0.shape[-2:]), stride, padding, dilation).index_select(1, rows)
-        return o, cols  # (k,), (B, k, L)
+        o, _ = _conv_geometry(w0, idx, groups)
+        return o, selected_columns(x, w0, idx, stride, padding, dilation, groups)  # (B, k, L)
 
     @staticmethod
     def jvp(ctx, x_t, w0_t, v_t, *_):  # type: ignore[override]
@@ -210,20 +238,13 @@ class StructuredMode(TorchFunctionMode):
 
 def _conv_nd(b: dict, e: tuple, nd: int) -> Tensor:
     _, w0, idx, v = e
-    x, padding = b["input"], b["padding"]
-    if isinstance(padding, str):
-        k = tuple(w0.shape[2:])
-        d = _ntuple(b["dilation"], nd)
-        if padding == "valid":
-            padding = (0,) * nd
-        elif any(dd * (kk - 1) % 2 for dd, kk in zip(d, k)):  # asymmetric 'same': dense path
-            conv = F.conv2d if nd == 2 else F.conv1d
-            dense = dense_weight(w0, idx, v)
-            return conv(x, dense, b["bias"], b["stride"], padding, b["dilation"], b["groups"])
-        else:
-            padding = tuple(dd * (kk - 1) // 2 for dd, kk in zip(d, k))
+    x = b["input"]
     stride, dilation = _ntuple(b["stride"], nd), _ntuple(b["dilation"], nd)
-    padding = _ntuple(padding, nd)
+    padding = numeric_padding(b["padding"], dilation, tuple(w0.shape[2:]))
+    if padding is None:  # asymmetric 'same': dense path
+        conv = F.conv2d if nd == 2 else F.conv1d
+        dense = dense_weight(w0, idx, v)
+        return conv(x, dense, b["bias"], b["stride"], b["padding"], b["dilation"], b["groups"])
     unbatched = x.dim() == nd + 1
     if unbatched:
         x = x.unsqueeze(0)

@@ -250,6 +250,19 @@ class RecurrentConv(nn.Module):
         return self.c(torch.tanh(self.c(x))).flatten(1)
 
 
+class RecurrentConvDense(nn.Module):
+    """The same conv on its own output after a non-elementwise op: the second call's input
+    carries a (materialised) tangent, so the entry layer takes its dense route."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c(x)
+        return self.c(y.roll(1, dims=-1)).flatten(1)
+
+
 class WeightElsewhere(nn.Module):
     """A weight also read outside conv/linear (a penalty-like output): the generic route."""
 
@@ -267,6 +280,7 @@ class WeightElsewhere(nn.Module):
     [
         (InplaceAfterConv, "in-place op"),
         (RecurrentConv, None),
+        (RecurrentConvDense, None),
         (WeightElsewhere, None),
     ],
 )
@@ -278,6 +292,7 @@ def test_structured_edge_cases_stay_exact(model_cls, note: str | None) -> None:
     ref = oracle(model, x, subset)
     res = mj.per_sample_jacobian(model, x, params=subset, mode="fwd", entries="structured")
     assert_matches(res, ref)
+    assert res.fallback is None and res.strategy == "vmap", res.fallback
     if note:
         assert any(note in n for n in res.notes), res.notes
         assert "a.weight" not in res.structured

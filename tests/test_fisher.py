@@ -189,3 +189,21 @@ def test_bad_data() -> None:
         )
     with pytest.raises(ValueError, match="pairs"):
         diag_fisher(model, [torch.randn(2, 5, dtype=DTYPE)], progress=False)
+
+
+@pytest.mark.parametrize("kind", ["empirical", "exact"])
+def test_train_mode_batch_norm_runs_with_running_statistics(kind: str) -> None:
+    """batch_norm='eval' on a train-mode model equals the eval-mode model, for every kind."""
+    import copy
+
+    case_id = "bn_cnn_multicrop"
+    model = zoo_model(case_id)
+    samples, kind_in = samples_of(case_id)
+    outs = [model(as_model_input(x, kind_in)).detach() for x in samples]
+    data = batches(samples, make_targets(outs, "classification"), kind_in, 2)
+    ref = diag_fisher(model, data, kind=kind, progress=False).flat
+    train = copy.deepcopy(model).train()
+    with pytest.raises(ValueError, match="BatchNorm"):
+        diag_fisher(train, data, kind=kind, progress=False)
+    got = diag_fisher(train, data, kind=kind, batch_norm="eval", progress=False).flat
+    torch.testing.assert_close(got, ref, atol=TOL, rtol=0)
