@@ -175,20 +175,33 @@ class PerSampleFunction:
                 (masked execution uses this to track the levels).
         """
         batched = [lvl.unsqueeze(0) for lvl in levels]
-        params = dict(params)
         with contextlib.ExitStack() as stack:
             if around is not None:
                 around(stack, batched)
-            if self.tokens:  # (1, C, *spatial) -> (1, positions, C), row-major positions
-                batched = [b.flatten(2).transpose(1, 2) for b in batched]
-            arg: Any = batched[0] if self.kind is InputKind.TENSOR else batched
-            if self.eval_batch_norm:
-                params.update((n, b.clone()) for n, b in self._bn_counters.items())
-                stack.enter_context(_EvalBatchNormMode())
-            out = functional_call(self.model, params, (arg,))
-            if self.output_fn is not None:
-                out = self.output_fn(out)
-            return flatten_output(out)
+            return flatten_output(self._run(stack, dict(params), batched))
+
+    def call_batch(self, levels: list[Tensor]) -> Any:
+        """Run the model itself (its own parameters, no functional call) on stacked samples.
+
+        Args:
+            levels: ``(n, C_l, *spatial_l)`` per level, samples of one shape signature.
+
+        Returns:
+            The output after ``output_fn``, not flattened (batch dim ``n``). Only valid where
+            samples do not interact in a batch (the caller checks).
+        """
+        with contextlib.ExitStack() as stack:
+            return self._run(stack, {}, list(levels))
+
+    def _run(self, stack: contextlib.ExitStack, params: dict[str, Tensor], batched: list) -> Any:
+        if self.tokens:  # (n, C, *spatial) -> (n, positions, C), row-major positions
+            batched = [b.flatten(2).transpose(1, 2) for b in batched]
+        arg: Any = batched[0] if self.kind is InputKind.TENSOR else batched
+        if self.eval_batch_norm:
+            params.update((n, b.clone()) for n, b in self._bn_counters.items())
+            stack.enter_context(_EvalBatchNormMode())
+        out = functional_call(self.model, params, (arg,)) if params else self.model(arg)
+        return self.output_fn(out) if self.output_fn is not None else out
 
     def entry_geometry(self, name: str) -> EntryGeometry:
         """Output channel and position of the selected entries of ``name`` (see

@@ -21,6 +21,7 @@ engine and reduces them at once. Nothing of size ``N x P`` is held.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +42,19 @@ from ._checks import (
 )
 from .adapter import PerSampleFunction
 from .engine import per_sample_jacobian
-from .enums import BatchNormPolicy, InputKind, Randomness, _StrEnum, parse_enum
+from .enums import BatchNormPolicy, FallbackWarning, InputKind, Randomness, _StrEnum, parse_enum
+from .layerwise import (
+    DEFAULT_TEMP_BYTES,
+    LayerRule,
+    LayerwisePlan,
+    LayerwiseRun,
+    NotLayerwiseError,
+    plan_layers,
+)
 from .packing import PackedBatch, pack
 from .subset import ParamSubset, resolve_subset
 
-__all__ = ["DiagFisherResult", "FisherKind", "Likelihood", "diag_fisher"]
+__all__ = ["DiagFisherResult", "FisherKind", "FisherMethod", "Likelihood", "diag_fisher"]
 
 
 class Likelihood(_StrEnum):
@@ -64,6 +73,22 @@ class FisherKind(_StrEnum):
     EXACT = "exact"
 
 
+class FisherMethod(_StrEnum):
+    """How per-sample terms are formed.
+
+    * ``auto``: ``layerwise`` for the tensors with a per-layer closed form, ``vmap`` for the
+      rest; a failure of the layer-wise run (a model that mixes samples in a batch, a parameter
+      read outside its layer) falls back to ``vmap`` with a :class:`FallbackWarning`.
+    * ``layerwise``: every selected tensor by its closed form (:mod:`~multiscale_jac.layerwise`);
+      raises if one has none.
+    * ``vmap``: ``torch.func.vmap(grad)`` per shape bucket (``exact``: per-sample Jacobians).
+    """
+
+    AUTO = "auto"
+    LAYERWISE = "layerwise"
+    VMAP = "vmap"
+
+
 @dataclass(frozen=True)
 class DiagFisherResult:
     """The diagonal and how it was computed.
@@ -74,8 +99,10 @@ class DiagFisherResult:
         num_samples: The number of inputs averaged over.
         kind: ``empirical``, ``mc`` or ``exact``.
         likelihood: ``classification`` or ``regression``.
-        method: How the per-sample terms were computed (``"vmap(grad) per bucket"`` or
-            ``"per-sample Jacobians (per_sample_jacobian)"``).
+        method: How the per-sample terms were computed, in words.
+        plan: Per selected tensor, the rule used (``gram``, ``per_sample``, ``norm_affine``
+            from :class:`~multiscale_jac.layerwise.LayerRule`, ``vmap`` or ``jacobian``).
+        notes: Why tensors took ``vmap`` and any fallback.
     """
 
     flat: Tensor
@@ -84,6 +111,7 @@ class DiagFisherResult:
     kind: FisherKind
     likelihood: Likelihood
     method: str = ""
+    plan: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = field(default=())
 
     def as_dict(self) -> dict[str, Tensor]:
@@ -102,11 +130,13 @@ def diag_fisher(
     output_fn: Callable[[Any], Any] | None = None,
     sigma_noise: float = 1.0,
     ignore_index: int = -100,
+    method: str | FisherMethod = "auto",
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     progress: bool = True,
     generator: torch.Generator | None = None,
     batch_norm: str | BatchNormPolicy = "error",
+    strict: bool = False,
 ) -> DiagFisherResult:
     """Diagonal Fisher / GGN of the selected parameters, averaged over ``data``.
 
@@ -119,14 +149,18 @@ def diag_fisher(
         likelihood: ``classification`` or ``regression``.
         kind: ``empirical``, ``mc`` or ``exact``.
         mc_samples: Draws per input for ``kind="mc"``.
-        output_fn: Applied to the model's output (batch dim of one kept).
+        output_fn: Applied to the model's output (batch dim kept).
         sigma_noise: Gaussian noise scale for ``regression``.
         ignore_index: Label of positions left out (classification).
-        chunk_size: Samples per vectorised call (default: 32).
-        memory_budget: Passed to the engine for ``kind="exact"``.
+        method: ``auto``, ``layerwise`` or ``vmap`` (see :class:`FisherMethod`).
+        chunk_size: Samples per batched run (``layerwise``; default: a whole shape bucket, as a
+            training step would run it) or per vectorised call (``vmap``; default 32).
+        memory_budget: Bytes for per-layer temporaries (``layerwise``; default 32 MiB) and for
+            the engine's per-sample Jacobians (``exact`` by ``vmap``).
         progress: A tqdm bar over the batches when a terminal is attached (never in logs).
         generator: Seeds the labels drawn for ``kind="mc"``.
         batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
+        strict: Raise instead of falling back from ``layerwise`` to ``vmap`` at run time.
 
     Returns:
         A :class:`DiagFisherResult`.
@@ -138,8 +172,10 @@ def diag_fisher(
     output_fn = check_output_fn(output_fn)
     likelihood = parse_enum(Likelihood, likelihood, "likelihood")
     kind = parse_enum(FisherKind, kind, "kind")
+    method = parse_enum(FisherMethod, method, "method")
     batch_norm_policy = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
     progress = check_bool(progress, "progress")
+    strict = check_bool(strict, "strict")
     mc_samples = check_positive_int(mc_samples, "mc_samples")
     if isinstance(sigma_noise, bool) or not isinstance(sigma_noise, (int, float)):
         raise TypeError(f"sigma_noise must be a positive number; got {sigma_noise!r}")
@@ -152,9 +188,21 @@ def diag_fisher(
     generator = check_generator(generator)
     subset = resolve_subset(params, model)
     eval_bn = check_train_mode_layers(model, batch_norm_policy, Randomness.ERROR)
-    total = None
+    opts = _Options(
+        likelihood,
+        kind,
+        mc_samples,
+        float(sigma_noise),
+        ignore_index,
+        chunk_size,
+        memory_budget,
+        generator,
+        batch_norm_policy,
+    )
+    state = _State(subset, _initial_plan(model, subset, method, eval_bn))
+    state.temp_bytes = memory_budget or DEFAULT_TEMP_BYTES
+    total: dict[str, Tensor] = {}
     count = 0
-    method = ""
     for batch in _progress(data, progress):
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError(
@@ -169,38 +217,101 @@ def diag_fisher(
         )
         packed = packed.to(fn.device)
         per_sample = [t.to(fn.device) for t in per_sample]
-        if kind is FisherKind.EXACT:
-            part = _exact(
-                fn,
-                packed,
-                per_sample,
-                likelihood,
-                sigma_noise,
-                ignore_index,
-                chunk_size,
-                memory_budget,
-                batch_norm_policy,
-            )
-            method = "per-sample Jacobians (per_sample_jacobian), reduced with Lambda"
-        else:
-            part = _gradients(
-                fn,
-                packed,
-                per_sample,
-                likelihood,
-                kind,
-                mc_samples,
-                sigma_noise,
-                ignore_index,
-                chunk_size or 32,
-                generator,
-            )
-            method = "vmap(grad) per shape bucket, chunked, squared into a (P,) accumulator"
-        total = part if total is None else total + part
+        try:
+            part = _batch_terms(fn, packed, per_sample, opts, state)
+        except NotLayerwiseError as err:
+            if strict or method is FisherMethod.LAYERWISE:
+                raise ValueError(f"diag_fisher(method={method.value!r}): {err}") from err
+            msg = f"layer-wise closed forms failed ({err}); falling back to vmap"
+            warnings.warn(msg, FallbackWarning, stacklevel=2)
+            state.fall_back(msg)
+            part = _batch_terms(fn, packed, per_sample, opts, state)
+        for name, t in part.items():
+            total[name] = t if name not in total else total[name] + t
         count += packed.num_samples
-    if total is None or count == 0:
+    if not total or count == 0:
         raise ValueError("data yielded no samples")
-    return DiagFisherResult(total / count, subset, count, kind, likelihood, method)
+    flat = torch.cat([total[n].reshape(-1) for n in subset.names]) / count
+    return DiagFisherResult(
+        flat,
+        subset,
+        count,
+        kind,
+        likelihood,
+        state.describe(kind),
+        state.final_plan(kind),
+        state.notes,
+    )
+
+
+@dataclass(frozen=True)
+class _Options:
+    likelihood: Likelihood
+    kind: FisherKind
+    mc_samples: int
+    sigma: float
+    ignore: int
+    chunk: int | None
+    memory_budget: int | None
+    generator: torch.Generator | None
+    batch_norm: BatchNormPolicy
+
+
+class _State:
+    """The plan across batches: which tensors go layer-wise, fallbacks, notes."""
+
+    def __init__(self, subset: ParamSubset, plan: LayerwisePlan | str) -> None:
+        self.subset = subset
+        self.notes: tuple[str, ...] = ()
+        self.exact_dense = False  # exact GGN of dense logits: no layer-wise factorisation
+        self.separable_checked = False
+        self.temp_bytes = DEFAULT_TEMP_BYTES
+        if isinstance(plan, str):
+            self.plan = None
+            if plan:
+                self.notes += (plan,)
+        else:
+            self.plan = plan
+            self.notes += tuple(f"{n}: {why} -> vmap" for n, why in plan.reasons.items())
+
+    def layerwise_names(self, kind: FisherKind) -> tuple[str, ...]:
+        if self.plan is None or (kind is FisherKind.EXACT and self.exact_dense):
+            return ()
+        return self.plan.layerwise_names
+
+    def fall_back(self, msg: str) -> None:
+        self.plan = None
+        self.notes += (msg,)
+
+    def final_plan(self, kind: FisherKind) -> dict[str, str]:
+        lw = self.plan.rules if self.plan is not None else {}
+        if kind is FisherKind.EXACT and self.exact_dense:
+            lw = {}
+        other = "jacobian" if kind is FisherKind.EXACT else LayerRule.VMAP.value
+        return {n: lw.get(n, other).replace(LayerRule.VMAP.value, other) for n in self.subset.names}
+
+    def describe(self, kind: FisherKind) -> str:
+        counts: dict[str, int] = {}
+        for rule in self.final_plan(kind).values():
+            counts[rule] = counts.get(rule, 0) + 1
+        return "per tensor: " + ", ".join(f"{r} x{k}" for r, k in sorted(counts.items()))
+
+
+def _initial_plan(
+    model: nn.Module, subset: ParamSubset, method: FisherMethod, eval_bn: bool
+) -> LayerwisePlan | str:
+    if method is FisherMethod.VMAP:
+        return ""
+    try:
+        plan = plan_layers(model, subset, eval_batch_norm=eval_bn)
+    except NotLayerwiseError as err:
+        if method is FisherMethod.LAYERWISE:
+            raise ValueError(f"diag_fisher(method='layerwise'): {err}") from err
+        return f"no layer-wise closed forms: {err}"
+    if method is FisherMethod.LAYERWISE and plan.reasons:
+        listed = "; ".join(f"{n!r} ({why})" for n, why in plan.reasons.items())
+        raise ValueError(f"diag_fisher(method='layerwise'): no closed form for {listed}")
+    return plan
 
 
 # ---------------------------------------------------------------------- helpers
@@ -231,19 +342,30 @@ def _split_targets(targets: Any, n: int) -> list[Tensor]:
     )
 
 
-def _nll(out: Tensor, target: Tensor, likelihood: Likelihood, sigma: float, ignore: int) -> Tensor:
-    """Negative log-likelihood of one sample; ``out`` keeps its batch dim of one."""
+def _nll_sum(
+    out: Tensor, target: Tensor, likelihood: Likelihood, sigma: float, ignore: int
+) -> Tensor:
+    """Negative log-likelihood summed over samples: ``out`` ``(n, ...)``, ``target`` ``(n, ...)``
+    (class indices ``(n,)`` or label maps ``(n, *spatial)``; regression: like ``out``)."""
+    n = out.shape[0]
     if likelihood is Likelihood.REGRESSION:
         if target.numel() != out.numel():
             raise ValueError(
-                f"regression target has {target.numel()} entries, the output {out.numel()}"
+                f"regression target has {target.numel() // max(1, n)} entries per sample, the "
+                f"output {out.numel() // max(1, n)}"
             )
-        return 0.5 * ((out.reshape(-1) - target.reshape(-1).to(out.dtype)) ** 2).sum() / sigma**2
-    logits = out.reshape(out.shape[0], out.shape[1], -1)[0]  # (C, positions)
-    y = target.reshape(-1).long()
+        diff = out.reshape(n, -1) - target.reshape(n, -1).to(out.dtype)
+        return 0.5 * (diff**2).sum() / sigma**2
+    logits = out.reshape(n, out.shape[1], -1)  # (n, C, positions)
+    y = target.reshape(n, -1).long()
+    if y.shape[1] != logits.shape[2]:
+        raise ValueError(
+            f"classification targets have {y.shape[1]} positions per sample, the logits "
+            f"{logits.shape[2]} (output shape {tuple(out.shape[1:])})"
+        )
     valid = y != ignore
-    logp = torch.log_softmax(logits, dim=0)
-    picked = logp.gather(0, torch.where(valid, y, 0).unsqueeze(0)).squeeze(0)
+    logp = torch.log_softmax(logits, dim=1)
+    picked = logp.gather(1, torch.where(valid, y, 0).unsqueeze(1)).squeeze(1)
     return -(picked * valid.to(picked.dtype)).sum()
 
 
@@ -274,95 +396,214 @@ def _raw_output(
     return fn.output_fn.last  # type: ignore[union-attr]
 
 
-def _gradients(
+def _batch_terms(
     fn: PerSampleFunction,
     packed: PackedBatch,
     targets: list[Tensor],
-    likelihood: Likelihood,
-    kind: FisherKind,
-    mc_samples: int,
-    sigma: float,
-    ignore: int,
-    chunk: int,
-    generator: torch.Generator | None,
-) -> Tensor:
-    values = fn.values()
+    opts: _Options,
+    state: _State,
+) -> dict[str, Tensor]:
+    """Sums over the batch's samples, per selected tensor (selected shape)."""
+    lw = state.layerwise_names(opts.kind)
+    if opts.kind is FisherKind.EXACT and lw:
+        part = _exact_layerwise(fn, packed, opts, state)
+        if part is not None:
+            rest = tuple(n for n in fn.subset.names if n not in lw)
+            if rest:
+                sub = _restrict(fn, rest)
+                part.update(sub.subset.split(_exact(sub, packed, targets, opts)))
+            return part
+        lw = ()
+    if opts.kind is FisherKind.EXACT:
+        return fn.subset.split(_exact(fn, packed, targets, opts))
+    return _gradient_terms(fn, packed, targets, opts, state, lw)
+
+
+def _restrict(fn: PerSampleFunction, names: tuple[str, ...]) -> PerSampleFunction:
+    """The same function over the selected entries of ``names`` only."""
+    subset = ParamSubset(fn.subset.layout, {n: fn.subset.indices[n] for n in names})
+    return PerSampleFunction(
+        fn.model, subset, fn.kind, fn.output_fn, eval_batch_norm=fn.eval_batch_norm
+    )
+
+
+def _selected(subset: ParamSubset, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {}
+    for name, full in sums.items():
+        idx = subset.indices[name]
+        out[name] = full if idx is None else full.reshape(-1).index_select(0, idx.to(full.device))
+    return out
+
+
+def _gradient_terms(
+    fn: PerSampleFunction,
+    packed: PackedBatch,
+    targets: list[Tensor],
+    opts: _Options,
+    state: _State,
+    lw: tuple[str, ...],
+) -> dict[str, Tensor]:
+    """``empirical`` / ``mc``: sums of squared per-sample gradients; the tensors in ``lw`` by
+    their layer-wise closed forms, the rest by ``vmap(grad)``, with the same drawn labels."""
+    rest = tuple(n for n in fn.subset.names if n not in lw)
+    sub = _restrict(fn, rest) if rest and lw else fn
+    values = sub.values()
 
     def loss(vals: tuple[Tensor, ...], target: Tensor, *levels: Tensor) -> Tensor:
-        return _nll(_raw_output(fn, vals, levels), target, likelihood, sigma, ignore)
+        out = _raw_output(sub, vals, levels)
+        return _nll_sum(out, target.unsqueeze(0), opts.likelihood, opts.sigma, opts.ignore)
 
     def logits(vals: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
-        return _raw_output(fn, vals, levels)[0]
+        return _raw_output(sub, vals, levels)[0]
 
     per_grad = vmap(grad(loss), in_dims=(None, 0) + (0,) * len(packed.levels))
-    total = values[0].new_zeros(fn.subset.numel)
+    vmap_chunk = opts.chunk or 32
+    totals: dict[str, Tensor] = {}
+    flat_total = values[0].new_zeros(sub.subset.numel) if rest else None
     for b in packed.buckets():
-        for s in range(0, len(b.indices), chunk):
-            idx = b.indices[s : s + chunk]
+        step = opts.chunk or (len(b.indices) if lw else 32)
+        for s in range(0, len(b.indices), step):
+            idx = b.indices[s : s + step]
             levels = packed.stack(idx)
             y = torch.stack([targets[i] for i in idx])
-            draws = (
-                [y]
-                if kind is FisherKind.EMPIRICAL
-                else _draw(
-                    vmap(logits, in_dims=(None,) + (0,) * len(levels))(values, *levels),
-                    y,
-                    likelihood,
-                    sigma,
-                    ignore,
-                    mc_samples,
-                    generator,
-                )
-            )
-            for yd in draws:
-                g = per_grad(values, yd, *levels)  # per tensor (n, *selected)
-                sq = torch.cat([t.reshape(len(idx), -1) for t in g], dim=1) ** 2
-                total += sq.sum(0) / len(draws)
-    return total
+            if lw:
+                draws, sums = _layerwise_chunk(fn, levels, y, opts, state)
+                for name, t in _selected(fn.subset, sums).items():
+                    totals[name] = t if name not in totals else totals[name] + t
+            elif opts.kind is FisherKind.EMPIRICAL:
+                draws = [y]
+            else:
+                out = vmap(logits, in_dims=(None,) + (0,) * len(levels))(values, *levels)
+                draws = _draw(out, y, opts)
+            if flat_total is None:
+                continue
+            for r in range(0, len(idx), vmap_chunk):
+                lv = [t[r : r + vmap_chunk] for t in levels]
+                for yd in draws:
+                    g = per_grad(values, yd[r : r + vmap_chunk], *lv)  # per tensor (n, *sel)
+                    sq = torch.cat([t.reshape(t.shape[0], -1) for t in g], dim=1) ** 2
+                    flat_total += sq.sum(0) / len(draws)
+    if flat_total is not None:
+        totals.update(sub.subset.split(flat_total))
+    return totals
 
 
-def _draw(
-    out: Tensor,
+def _layerwise_chunk(
+    fn: PerSampleFunction,
+    levels: list[Tensor],
     y: Tensor,
-    likelihood: Likelihood,
-    sigma: float,
-    ignore: int,
-    n: int,
-    generator: torch.Generator | None,
-) -> list[Tensor]:
-    """``n`` label draws from the predictive for a chunk; ignored positions stay ignored."""
-    draws = []
+    opts: _Options,
+    state: _State,
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One batched run of a chunk: the labels used and the layer-wise sums (full shapes)."""
+    lv, out, run = _batched_run(fn, levels, state)
+    draws = [y] if opts.kind is FisherKind.EMPIRICAL else _draw(out.detach(), y, opts)
+    objectives = [
+        (_nll_sum(out, yd, opts.likelihood, opts.sigma, opts.ignore), 1.0 / len(draws))
+        for yd in draws
+    ]
+    return draws, run.backward(objectives, lv)
+
+
+def _batched_run(
+    fn: PerSampleFunction, levels: list[Tensor], state: _State
+) -> tuple[list[Tensor], Tensor, LayerwiseRun]:
+    """The model on stacked samples with the layer-wise hooks: the inputs (made to require
+    grad, the backward passes stop there), the output, and the run to call ``backward`` on."""
+    assert state.plan is not None
+    lv = [t.detach().requires_grad_(t.is_floating_point()) for t in levels]
+    run = LayerwiseRun(state.plan, temp_bytes=state.temp_bytes)
+    with run:
+        out = fn.call_batch(lv)
+    if not state.separable_checked:
+        _check_separable(fn, levels, out)
+        state.separable_checked = True
+    return lv, out, run
+
+
+def _check_separable(fn: PerSampleFunction, levels: list[Tensor], out: Tensor) -> None:
+    """Sample 0 run alone must give what it gave in the batch (no cross-sample ops)."""
     with torch.no_grad():
-        for _ in range(n):
-            if likelihood is Likelihood.REGRESSION:
+        alone = _raw_output(fn, fn.values(), tuple(t[0] for t in levels)).reshape(-1)
+    batched = out[0].detach().reshape(-1)
+    if alone.shape != batched.shape:
+        raise NotLayerwiseError(
+            f"sample 0 gives an output of {alone.numel()} entries alone and {batched.numel()} in "
+            "a batch"
+        )
+    tol = 1e-9 if out.dtype == torch.float64 else 1e-4
+    scale = max(1.0, float(batched.abs().max())) if batched.numel() else 1.0
+    err = float((alone - batched).abs().max()) if batched.numel() else 0.0
+    if err > tol * scale:
+        raise NotLayerwiseError(
+            f"sample 0's output differs by {err:.3g} between a batch and a batch of one: the "
+            "model mixes samples in a batch"
+        )
+
+
+def _exact_layerwise(
+    fn: PerSampleFunction, packed: PackedBatch, opts: _Options, state: _State
+) -> dict[str, Tensor] | None:
+    """``sum_i diag(J_i^T Lambda_i J_i)`` of the layer-wise tensors, ``Lambda = S S^T``: one
+    backward pass per column of ``S`` (per class, or per regression output); ``None`` for dense
+    logits (their per-position blocks do not factor over a batched pass; recorded)."""
+    totals: dict[str, Tensor] = {}
+    for b in packed.buckets():
+        step = opts.chunk or len(b.indices)
+        for s in range(0, len(b.indices), step):
+            idx = b.indices[s : s + step]
+            lv, out, run = _batched_run(fn, packed.stack(idx), state)
+            n = out.shape[0]
+            if opts.likelihood is Likelihood.REGRESSION:
+                flat = out.reshape(n, -1)
+                objectives = [(flat[:, o].sum() / opts.sigma, 1.0) for o in range(flat.shape[1])]
+            elif out.dim() != 2:
+                state.exact_dense = True
+                state.notes += (
+                    "exact GGN of dense logits: per-position blocks, by per-sample Jacobians",
+                )
+                return None
+            else:
+                p = torch.softmax(out.detach(), dim=1)  # (n, C)
+                root = p.sqrt()
+                eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)
+                objectives = [
+                    ((out * (root[:, c : c + 1] * (eye[c] - p))).sum(), 1.0)
+                    for c in range(p.shape[1])
+                ]
+            for name, t in _selected(fn.subset, run.backward(objectives, lv)).items():
+                totals[name] = t if name not in totals else totals[name] + t
+    return totals
+
+
+def _draw(out: Tensor, y: Tensor, opts: _Options) -> list[Tensor]:
+    """``mc_samples`` label draws from the predictive for a chunk ``out`` ``(n, ...)``;
+    ignored positions stay ignored."""
+    draws = []
+    generator = opts.generator
+    with torch.no_grad():
+        for _ in range(opts.mc_samples):
+            if opts.likelihood is Likelihood.REGRESSION:
                 noise = torch.randn(out.shape, generator=generator, dtype=out.dtype, device="cpu")
-                draws.append((out + sigma * noise.to(out.device)).reshape(y.shape))
+                draws.append((out + opts.sigma * noise.to(out.device)).reshape(y.shape))
                 continue
             logits = out.reshape(out.shape[0], out.shape[1], -1)  # (n, C, positions)
             probs = torch.softmax(logits, dim=1).transpose(1, 2).reshape(-1, out.shape[1])
             picked = torch.multinomial(probs.cpu(), 1, generator=generator).view(y.shape)
             picked = picked.to(y.device)
-            draws.append(torch.where(y == ignore, y, picked) if y.dim() > 1 else picked)
+            draws.append(torch.where(y == opts.ignore, y, picked) if y.dim() > 1 else picked)
     return draws
 
 
 def _exact(
-    fn: PerSampleFunction,
-    packed: PackedBatch,
-    targets: list[Tensor],
-    likelihood: Likelihood,
-    sigma: float,
-    ignore: int,
-    chunk: int | None,
-    memory_budget: int | None,
-    batch_norm: BatchNormPolicy,
+    fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor], opts: _Options
 ) -> Tensor:
     """``sum_i diag(J_i^T Lambda_i J_i)`` for one batch, from the engine's per-sample Jacobians
     in chunks of samples (``fn``'s output function is a :class:`_Capture`; classification reads
     each sample's logits from it)."""
     total = None
     n = packed.num_samples
-    step = chunk or 8
+    step = min(opts.chunk or 8, 8)
     values = fn.values()
     for s in range(0, n, step):
         idx = list(range(s, min(n, s + step)))
@@ -372,20 +613,22 @@ def _exact(
             part,
             params=fn.subset,
             output_fn=fn.output_fn.user,  # type: ignore[union-attr]
-            memory_budget=memory_budget,
-            batch_norm=batch_norm,
+            memory_budget=opts.memory_budget,
+            batch_norm=opts.batch_norm,
         )
         for k, i in enumerate(idx):
             jac = res.jacobian[k, : res.output_sizes[k]]  # (O, P)
-            if likelihood is Likelihood.REGRESSION:
-                d = (jac**2).sum(0) / sigma**2
+            if opts.likelihood is Likelihood.REGRESSION:
+                d = (jac**2).sum(0) / opts.sigma**2
             else:
                 out = _raw_output(fn, values, tuple(part.sample(k)))
                 c = out.shape[1]
                 j = jac.view(c, -1, jac.shape[-1])  # (C, positions, P)
                 p = torch.softmax(out.reshape(c, -1), dim=0).unsqueeze(-1)  # (C, positions, 1)
                 valid = (
-                    (targets[i].reshape(-1) != ignore).to(jac.dtype) if targets[i].dim() else None
+                    (targets[i].reshape(-1) != opts.ignore).to(jac.dtype)
+                    if targets[i].dim()
+                    else None
                 )
                 per_pos = (p * j**2).sum(0) - ((p * j).sum(0)) ** 2  # (positions, P)
                 if valid is not None:

@@ -1,0 +1,470 @@
+"""Per-layer closed forms for sums of squared per-sample gradients (diag Fisher, Jacobian norm).
+
+The model runs once on a batch (samples stacked, as in a training step); for every objective
+``s = sum_i s_i`` (a sum of per-sample scalars: log-likelihoods, output rows, probes) one
+backward pass gives, at the output ``z`` of every layer, ``delta_i = ds_i / dz_i`` (samples do
+not interact in the batched run). The per-sample gradient of a layer's parameter is a function
+of ``delta_i`` and the layer's input ``a_i`` alone, so no parameter gradient is ever formed by
+autograd: backward computes data gradients only, and each layer's rule runs as its gradient
+arrives (a tensor hook), then drops the layer's input.
+
+Shapes (stated once): a batch of ``N`` samples; a layer in *column form* has ``D`` ``(N, Co, L)``
+(``delta`` per output channel and position) and ``U`` ``(N, Ck, L)`` (the input columns each
+weight row multiplies): Linear ``(N, *, in)`` -> ``L`` = the middle positions, ``Ck = in``;
+Conv1d/2d -> ``U = unfold(a)``, ``Ck = C_in / groups * prod(kernel)`` per group. The per-sample
+weight gradient is ``G_i = D_i U_i^T`` (per group), the bias gradient ``D_i.sum(-1)``.
+
+Rules, one per selected tensor (recorded as :attr:`LayerwisePlan.rules`):
+
+* ``gram``: ``sum_i G_i^2`` without forming ``G_i``: ``sum_i sum_{l,l'} (D_il D_il')(U_il U_il')``,
+  one matmul with inner size ``N L^2``; for a layer called once per sample with few positions
+  (``L = 1``, e.g. a Linear layer on vectors, is ``(delta^2)^T (a^2)``).
+* ``per_sample``: ``G_i`` formed for a chunk of samples at a time (bounded bytes), squared and
+  summed; for layers with many positions, and for layers called several times per sample
+  (a head shared over pyramid levels: the calls' gradients are summed before squaring).
+* ``norm_affine``: BatchNorm (running statistics), GroupNorm, LayerNorm:
+  ``G_i(weight) = sum delta_i * xhat_i``, ``G_i(bias) = sum delta_i`` over the non-channel dims.
+* ``vmap``: no closed form (other layer types, a parameter also read outside its layer, ...):
+  the caller computes these tensors with ``torch.func.vmap(grad)``.
+
+``gram`` vs ``per_sample`` is picked by a cost model in flop-equivalents: ``2 N L^2 Co Ck`` for
+``gram`` and ``2 N L Co Ck + COST_PER_ENTRY * N Co Ck`` for ``per_sample`` (forming, squaring and
+summing ``N Co Ck`` entries is bound by memory traffic).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from .enums import _StrEnum
+from .structured import numeric_padding
+from .subset import ParamSubset
+
+__all__ = [
+    "COST_PER_ENTRY",
+    "DEFAULT_TEMP_BYTES",
+    "LayerRule",
+    "LayerwisePlan",
+    "LayerwiseRun",
+    "NotLayerwiseError",
+    "plan_layers",
+]
+
+#: flop-equivalents per per-sample gradient entry formed, squared and summed (memory bound)
+COST_PER_ENTRY = 12.0
+#: bytes of per-layer temporaries (unfolded columns, per-sample gradients) per chunk of samples
+DEFAULT_TEMP_BYTES = 32 * 2**20
+
+_CONV = (nn.Conv1d, nn.Conv2d)
+_NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm)
+_SUPPORTED = (nn.Linear, *_CONV, *_NORMS)
+
+
+class LayerRule(_StrEnum):
+    """How a tensor's sum of squared per-sample gradients is computed (see module docstring)."""
+
+    GRAM = "gram"
+    PER_SAMPLE = "per_sample"
+    NORM_AFFINE = "norm_affine"
+    VMAP = "vmap"
+
+
+class NotLayerwiseError(RuntimeError):
+    """The batched run cannot give per-sample layer gradients (the message says why)."""
+
+
+@dataclass
+class _Site:
+    """One parameter tensor with a closed form: the modules that own it and their calls."""
+
+    name: str
+    role: str  # "weight" or "bias"
+    modules: tuple[nn.Module, ...]
+    calls: list[_Call] = field(default_factory=list)
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    input: Tensor | None
+    received: int = 0  # objectives whose gradient arrived
+
+
+@dataclass
+class LayerwisePlan:
+    """Which rule each selected tensor takes, and why the others take ``vmap``.
+
+    Attributes:
+        rules: selected tensor name -> :class:`LayerRule` value (``gram``/``per_sample`` are
+            final after the first batch, when positions and calls per sample are known).
+        reasons: name -> why it takes ``vmap``.
+        costs: name -> ``{"gram": ..., "per_sample": ...}`` flop-equivalents per sample (convs
+            and Linear layers, once known).
+    """
+
+    rules: dict[str, str]
+    reasons: dict[str, str]
+    costs: dict[str, dict[str, float]] = field(default_factory=dict)
+    sites: dict[str, _Site] = field(default_factory=dict, repr=False)
+
+    @property
+    def layerwise_names(self) -> tuple[str, ...]:
+        return tuple(n for n, r in self.rules.items() if r != LayerRule.VMAP)
+
+    @property
+    def vmap_names(self) -> tuple[str, ...]:
+        return tuple(n for n, r in self.rules.items() if r == LayerRule.VMAP)
+
+
+def plan_layers(model: nn.Module, subset: ParamSubset, *, eval_batch_norm: bool) -> LayerwisePlan:
+    """Assign every selected tensor a rule from the module types that own it.
+
+    Raises:
+        NotLayerwiseError: the batched run would mix samples (a BatchNorm layer normalising with
+            batch statistics).
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm) and (
+            m.running_mean is None or (m.training and not eval_batch_norm)
+        ):
+            raise NotLayerwiseError(
+                f"module {name or '<model>'!r} ({type(m).__name__}) normalises with batch "
+                "statistics, so a batched run mixes samples"
+            )
+    params = dict(model.named_parameters())
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for role in ("weight", "bias"):
+            t = m._parameters.get(role)
+            if t is not None:
+                owners.setdefault(id(t), []).append((m, role))
+    plan = LayerwisePlan({}, {})
+    for name in subset.names:
+        found = owners.get(id(params[name]), [])
+        why = _unsupported(found)
+        if why:
+            plan.rules[name], plan.reasons[name] = LayerRule.VMAP.value, why
+            continue
+        role = found[0][1]
+        norm = isinstance(found[0][0], _NORMS)
+        plan.rules[name] = (LayerRule.NORM_AFFINE if norm else LayerRule.PER_SAMPLE).value
+        plan.sites[name] = _Site(name, role, tuple(m for m, _ in found))
+    return plan
+
+
+def _unsupported(found: list[tuple[nn.Module, str]]) -> str:
+    if not found:
+        return "not the weight or bias of a module"
+    if len({r for _, r in found}) > 1:
+        return "used as weight of one module and bias of another"
+    kinds = set()
+    for m, _ in found:
+        base = next((b for b in _SUPPORTED if isinstance(m, b)), None)
+        if base is None:
+            return f"owned by a {type(m).__name__} (no closed form)"
+        if type(m).forward is not base.forward:
+            return f"owned by {type(m).__name__}, which overrides forward"
+        if isinstance(m, _CONV):
+            if m.padding_mode != "zeros":
+                return f"{type(m).__name__} with padding_mode={m.padding_mode!r}"
+            if numeric_padding(m.padding, m.dilation, m.kernel_size) is None:
+                return f"{type(m).__name__} with asymmetric 'same' padding"
+        kinds.add(base)
+    if len(kinds) > 1:
+        return "shared by modules of different types"
+    return ""
+
+
+# ---------------------------------------------------------------------- running
+class LayerwiseRun:
+    """Hooks for one batched forward and its backward passes; removed on exit.
+
+    Use::
+
+        with LayerwiseRun(plan, temp_bytes=..., create_graph=False) as run:
+            out = model(batch)            # inside the block: hooks capture layer inputs
+        sums = run.backward(objectives, anchors)
+
+    ``sums`` maps each layer-wise tensor to ``sum_k w_k sum_i G_ik^2`` (full tensor shape).
+    """
+
+    def __init__(
+        self,
+        plan: LayerwisePlan,
+        *,
+        temp_bytes: int = DEFAULT_TEMP_BYTES,
+        create_graph: bool = False,
+    ) -> None:
+        self.plan = plan
+        self.temp_bytes = temp_bytes
+        self.create_graph = create_graph
+        self.sites = [plan.sites[n] for n in plan.layerwise_names]
+        for s in self.sites:
+            s.calls = []
+        self._by_module: dict[int, list[_Site]] = {}
+        self._modules: dict[int, nn.Module] = {}
+        for s in self.sites:
+            for m in s.modules:
+                self._by_module.setdefault(id(m), []).append(s)
+                self._modules[id(m)] = m
+        self._handles: list[Any] = []
+        self._watch = _UseWatch({id(s.modules[0]._parameters[s.role]): s.name for s in self.sites})
+        self._stack = contextlib.ExitStack()
+        self._sums: dict[str, Tensor] = {}
+        self._buffers: dict[str, Tensor] = {}
+        self._weight = 1.0
+        self._objective = 0
+        self._error: BaseException | None = None
+
+    def __enter__(self) -> LayerwiseRun:
+        try:
+            for module in self._modules.values():
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook))
+                self._handles.append(module.register_forward_hook(self._hook))
+            self._stack.enter_context(self._watch)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # forward
+    def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+        self._watch.inside += 1
+
+    def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._watch.inside -= 1
+        if len(args) != 1 or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
+            self._error = NotLayerwiseError(
+                f"{type(module).__name__} was called with other than one tensor"
+            )
+            return
+        if not output.requires_grad:
+            self._error = NotLayerwiseError(
+                f"the output of a {type(module).__name__} does not require grad"
+            )
+            return
+        call = _Call(module, args[0].detach())
+        sites = self._by_module[id(module)]
+        for s in sites:
+            s.calls.append(call)
+        output.register_hook(lambda g, call=call, sites=sites: self._on_grad(call, sites, g))
+
+    # backward
+    def backward(
+        self, objectives: Sequence[tuple[Tensor, float]], anchors: Sequence[Tensor]
+    ) -> dict[str, Tensor]:
+        """Run one backward pass per ``(scalar, weight)``; returns the weighted sums.
+
+        Raises:
+            NotLayerwiseError: a parameter was read outside its layers, a layer was called in
+                an unsupported way, or a layer's gradient never arrived.
+        """
+        if self._error is not None:
+            raise self._error
+        if self._watch.misused:
+            names = ", ".join(sorted(self._watch.misused))
+            raise NotLayerwiseError(f"parameter(s) {names} are also read outside their layers")
+        for s in self.sites:
+            if not s.calls:
+                raise NotLayerwiseError(f"parameter {s.name!r}: its layer was never called")
+        anchors = [a for a in anchors if a.requires_grad]
+        if not anchors:
+            raise NotLayerwiseError("no input of the model is a floating-point tensor")
+        self._last = len(objectives) - 1
+        for k, (scalar, weight) in enumerate(objectives):
+            self._objective, self._weight = k, weight
+            torch.autograd.grad(
+                scalar,
+                anchors,
+                retain_graph=k < self._last or self.create_graph,
+                create_graph=self.create_graph,
+                allow_unused=True,
+            )
+            for s in self.sites:
+                if any(c.received != k + 1 for c in s.calls):
+                    raise NotLayerwiseError(
+                        f"parameter {s.name!r}: a call's output gradient did not arrive (its "
+                        "output does not reach the model's inputs in the graph)"
+                    )
+        return self._sums
+
+    def _on_grad(self, call: _Call, sites: list[_Site], g: Tensor) -> None:
+        call.received += 1
+        if call.input is None:
+            return
+        for s in sites:
+            self._site_grad(s, call, g)
+        if self._objective == self._last and not self.create_graph:
+            call.input = None  # free the layer input early
+
+    def _site_grad(self, s: _Site, call: _Call, g: Tensor) -> None:
+        m, a = call.module, call.input
+        rule = self.plan.rules[s.name]
+        multi = len(s.calls) > 1
+        if rule == LayerRule.NORM_AFFINE:
+            per = _norm_grads(m, a, g, s.role)  # (N, *param)
+            self._add_per_sample(s, per, multi)
+            return
+        d, u, groups = _columns(m, a, g)  # (N, Co, L), input columns maker, groups
+        if s.role == "bias":
+            self._add_per_sample(s, d.sum(-1), multi)
+            return
+        n, co, positions = d.shape
+        ck = u(slice(0, 1)).shape[1]
+        if s.name not in self.plan.costs:
+            gram = 2.0 * positions**2 * co * ck / groups
+            ps = (2.0 * positions + COST_PER_ENTRY) * co * ck / groups
+            self.plan.costs[s.name] = {"gram": gram, "per_sample": ps}
+            if len(s.calls) == 1 and gram <= ps:
+                self.plan.rules[s.name] = LayerRule.GRAM.value
+        if not multi and self.plan.rules[s.name] == LayerRule.GRAM:
+            self._add(s, _gram(d, u, groups, self._chunk(n, positions**2 * (co + ck), d)))
+            return
+        step = self._chunk(n, ck * positions + co * ck // groups, d)
+        for start in range(0, n, step):
+            rows = slice(start, min(n, start + step))
+            per = _per_sample_weight(d[rows], u(rows), groups)  # (c, Co, Ck/groups)
+            self._add_per_sample(s, per.reshape(per.shape[0], *m.weight.shape), multi, rows, n)
+
+    def _chunk(self, n: int, elems_per_sample: int, like: Tensor) -> int:
+        return max(1, min(n, self.temp_bytes // max(1, elems_per_sample * like.element_size())))
+
+    def _add_per_sample(
+        self,
+        s: _Site,
+        per: Tensor,
+        multi: bool,
+        rows: slice | None = None,
+        n: int | None = None,
+    ) -> None:
+        """``per`` ``(c, *param)``: per-sample gradients of ``rows`` (all samples if None)."""
+        if not multi:
+            self._add(s, (per * per).sum(0) if self.create_graph else per.square_().sum(0))
+            return
+        n = per.shape[0] if n is None else n
+        buf = self._buffers.get(s.name)
+        if buf is None:
+            buf = self._buffers[s.name] = per.new_zeros((n, *per.shape[1:]))
+        rows = rows or slice(0, n)
+        if self.create_graph:
+            buf = self._buffers[s.name] = buf.index_add(
+                0, torch.arange(rows.start, rows.stop, device=buf.device), per
+            )
+        else:
+            buf[rows] += per
+        if rows.stop == n and all(c.received == self._objective + 1 for c in s.calls):
+            del self._buffers[s.name]
+            self._add(s, (buf * buf).sum(0))
+
+    def _add(self, s: _Site, sq: Tensor) -> None:
+        sq = sq if self._weight == 1.0 else sq * self._weight
+        prev = self._sums.get(s.name)
+        self._sums[s.name] = sq if prev is None else prev + sq
+
+
+class _UseWatch(TorchFunctionMode):
+    """Records parameters read by an op outside the layers that own them."""
+
+    def __init__(self, watched: dict[int, str]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.inside = 0
+        self.misused: set[str] = set()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.inside == 0 and self.watched:
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, Tensor) and id(t) in self.watched:
+                    self.misused.add(self.watched[id(t)])
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------- closed forms
+def _columns(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Callable[[slice], Tensor], int]:
+    """Column form: ``D`` ``(N, Co, L)``, a function giving ``U`` ``(c, Ck, L)`` for a slice of
+    samples (unfolded lazily, chunk by chunk), and the number of groups."""
+    n = g.shape[0]
+    if isinstance(m, nn.Linear):
+        d = g.reshape(n, -1, g.shape[-1]).transpose(1, 2)
+        x = a.reshape(n, -1, a.shape[-1]).transpose(1, 2)
+        return d, lambda rows: x[rows], 1
+    kernel = tuple(m.kernel_size)
+    padding = numeric_padding(m.padding, tuple(m.dilation), kernel)
+    stride, dilation = tuple(m.stride), tuple(m.dilation)
+    if isinstance(m, nn.Conv1d):
+        a, kernel = a.unsqueeze(2), (1, *kernel)
+        stride, padding, dilation = (1, *stride), (0, *padding), (1, *dilation)
+    d = g.reshape(n, g.shape[1], -1)
+
+    def unfold(rows: slice) -> Tensor:
+        return F.unfold(a[rows], kernel, dilation=dilation, padding=padding, stride=stride)
+
+    return d, unfold, m.groups
+
+
+def _per_sample_weight(d: Tensor, u: Tensor, groups: int) -> Tensor:
+    """``G_i = D_i U_i^T`` per group: ``(c, Co, Ck / groups)``."""
+    c, co, positions = d.shape
+    if groups == 1:
+        return torch.bmm(d, u.transpose(1, 2))
+    dg = d.view(c, groups, co // groups, positions)
+    ug = u.view(c, groups, u.shape[1] // groups, positions)
+    return torch.matmul(dg, ug.transpose(-1, -2)).reshape(c, co, -1)
+
+
+def _gram(d: Tensor, u: Callable[[slice], Tensor], groups: int, step: int) -> Tensor:
+    """``sum_i G_i^2`` ``(Co, Ck / groups)`` as one matmul per chunk, inner size ``c L^2``."""
+    n, co = d.shape[:2]
+    total = None
+    for start in range(0, n, step):
+        rows = slice(start, min(n, start + step))
+        dc, uc = d[rows], u(rows)
+        c = dc.shape[0]
+        dd = (dc.unsqueeze(-1) * dc.unsqueeze(-2)).view(c, groups, co // groups, -1)
+        uu = (uc.unsqueeze(-1) * uc.unsqueeze(-2)).view(c, groups, uc.shape[1] // groups, -1)
+        dd = dd.permute(1, 2, 0, 3).reshape(groups, co // groups, -1)
+        uu = uu.permute(1, 0, 3, 2).reshape(groups, -1, uc.shape[1] // groups)
+        part = torch.bmm(dd, uu).reshape(co, -1)
+        total = part if total is None else total + part
+    return total  # type: ignore[return-value]
+
+
+def _norm_grads(m: nn.Module, a: Tensor, g: Tensor, role: str) -> Tensor:
+    """Per-sample gradients of a normalisation layer's affine weight or bias ``(N, *param)``."""
+    if isinstance(m, nn.LayerNorm):
+        dims = tuple(range(1, g.dim() - len(m.normalized_shape)))
+        if role == "bias":
+            return g.sum(dims) if dims else g
+        xhat = F.layer_norm(a, m.normalized_shape, None, None, m.eps)
+        return (g * xhat).sum(dims) if dims else g * xhat
+    dims = tuple(range(2, g.dim()))
+    if role == "bias":
+        return g.sum(dims) if dims else g
+    if isinstance(m, nn.GroupNorm):
+        xhat = F.group_norm(a, m.num_groups, None, None, m.eps)
+    else:
+        shape = (1, -1) + (1,) * (a.dim() - 2)
+        xhat = (a - m.running_mean.view(shape)) * torch.rsqrt(m.running_var.view(shape) + m.eps)
+    return (g * xhat).sum(dims) if dims else g * xhat

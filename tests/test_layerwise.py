@@ -1,0 +1,299 @@
+"""Layer-wise closed forms (``multiscale_jac.layerwise``) for diag_fisher against the loop and
+the vmap route, float64, 1e-10; plans, fallbacks and edge cases."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cases import CASES as ZOO
+from cases import DTYPE, make_subset
+from conftest import CASE_BY_ID, zoo_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fisher import as_model_input, batches, loop_fisher, make_targets, samples_of
+from torch import nn
+
+import multiscale_jac as mj
+from multiscale_jac.fisher import diag_fisher
+
+TOL = 1e-10
+
+
+def _tensor_output_cases() -> list[str]:
+    out = []
+    for case in ZOO:
+        if case.id.startswith("transformer") or case.id == "shared_dict_head":
+            continue  # dict outputs
+        out.append(case.id)
+    return out
+
+
+def _no_output_fn() -> list[str]:
+    out = []
+    for case_id in ZOO_IDS:
+        if CASE_BY_ID[case_id].output_fn is None:
+            out.append(case_id)
+    return out
+
+
+ZOO_IDS = _tensor_output_cases()
+PLAIN_IDS = _no_output_fn()  # the loop of test_fisher applies no output_fn
+
+
+def _data(case_id: str, likelihood: str, size: int = 3):
+    case = CASE_BY_ID[case_id]
+    model = zoo_model(case_id)
+    samples, kind_in = samples_of(case_id)
+    ofn = case.output_fn
+
+    def run(x):
+        out = model(as_model_input(x, kind_in))
+        return ofn(out) if ofn is not None else out
+
+    outs = [run(x).detach() for x in samples]
+    targets = make_targets(outs, likelihood)
+    return model, samples, kind_in, targets, batches(samples, targets, kind_in, size), ofn
+
+
+def _likelihoods(case_id: str) -> list[str]:
+    return ["regression"] if case_id.startswith("fpn") else ["classification", "regression"]
+
+
+@pytest.mark.parametrize("subset_kind", ["elements", "all"])
+@pytest.mark.parametrize(
+    "case_id, likelihood", [(c, lk) for c in PLAIN_IDS for lk in _likelihoods(c)]
+)
+def test_empirical_matches_loop(case_id: str, likelihood: str, subset_kind: str) -> None:
+    model, samples, kind_in, targets, data, _ = _data(case_id, likelihood)
+    subset = make_subset(model, subset_kind, CASE_BY_ID[case_id])
+    ref = loop_fisher(model, samples, kind_in, targets, subset, likelihood, "empirical")
+    res = diag_fisher(model, data, params=subset, likelihood=likelihood, progress=False)
+    assert any(r != "vmap" for r in res.plan.values()), res.plan
+    torch.testing.assert_close(res.flat, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["empirical", "mc", "exact"])
+@pytest.mark.parametrize(
+    "case_id, likelihood", [(c, lk) for c in ZOO_IDS for lk in _likelihoods(c)]
+)
+def test_layerwise_matches_vmap(case_id: str, likelihood: str, kind: str) -> None:
+    """Same drawn labels (same generator and chunks) for ``mc``; vmap is checked against the
+    loop in test_fisher."""
+    model, _, _, _, data, ofn = _data(case_id, likelihood)
+    subset = make_subset(model, "elements", CASE_BY_ID[case_id])
+
+    def run(method: str) -> mj.DiagFisherResult:
+        return diag_fisher(
+            model,
+            data,
+            params=subset,
+            likelihood=likelihood,
+            kind=kind,
+            method=method,
+            output_fn=ofn,
+            chunk_size=3,
+            generator=torch.Generator().manual_seed(0),
+            progress=False,
+        )
+
+    got, ref = run("auto"), run("vmap")
+    torch.testing.assert_close(got.flat, ref.flat, atol=TOL, rtol=0)
+    assert set(ref.plan.values()) <= {"vmap", "jacobian"}
+
+
+def test_plan_records_rules_and_reasons() -> None:
+    model, *_, data, _ = _data("bn_cnn_multicrop", "classification")
+    res = diag_fisher(model, data, progress=False)
+    assert res.plan["features.1.weight"] == "norm_affine"
+    assert res.plan["features.0.weight"] == "per_sample"  # many positions
+    assert set(res.plan) == set(mj.ParamSubset.all(model).names)
+    mlp, *_, data, _ = _data("mlp_vectors", "classification")
+    assert diag_fisher(mlp, data, progress=False).plan["net.0.weight"] == "gram"  # L = 1
+    fpn, *_, data, _ = _data("fpn_ragged", "regression")
+    plan = diag_fisher(fpn, data, likelihood="regression", progress=False).plan
+    assert plan["head.0.weight"] == "per_sample"  # one head over two levels: summed, then squared
+    c3d, *_, data, _ = _data("conv3d", "classification")
+    res = diag_fisher(c3d, data, progress=False)
+    assert res.plan["c1.weight"] == "vmap"
+    assert any("Conv3d" in n for n in res.notes)
+    with pytest.raises(ValueError, match=r"c1\.weight.*Conv3d"):
+        diag_fisher(c3d, data, method="layerwise", progress=False)
+
+
+class MixesSamples(nn.Module):
+    """Subtracts the batch mean: fine per sample (batch of one), wrong on a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h - h.mean(0, keepdim=True) + h
+
+
+class ReadsWeightOutside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.lin.weight.sum()
+
+
+@pytest.mark.parametrize(
+    "cls, match", [(MixesSamples, "mixes samples"), (ReadsWeightOutside, "outside")]
+)
+def test_runtime_fallback_warns_and_strict_raises(cls, match) -> None:
+    torch.manual_seed(0)
+    model = cls().to(DTYPE)
+    x = torch.randn(5, 4, dtype=DTYPE)
+    y = torch.randint(3, (5,))
+    data = [(x, y)]
+    samples = [[t] for t in x]
+    ref = loop_fisher(
+        model,
+        samples,
+        mj.InputKind.TENSOR,
+        list(y),
+        mj.ParamSubset.all(model),
+        "classification",
+        "empirical",
+    )
+    with pytest.warns(mj.FallbackWarning, match=match):
+        res = diag_fisher(model, data, progress=False)
+    assert any(match in n for n in res.notes)
+    assert set(res.plan.values()) == {"vmap"}
+    torch.testing.assert_close(res.flat, ref, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match=match):
+        diag_fisher(model, data, progress=False, strict=True)
+    with pytest.raises(ValueError, match=match):
+        diag_fisher(model, data, progress=False, method="layerwise")
+
+
+class NormNet(nn.Module):
+    """GroupNorm, LayerNorm, a Linear layer over positions (weight shared over them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 4)
+        self.ln = nn.LayerNorm(4)
+        self.tok = nn.Linear(4, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.gn(self.conv(x)))  # (n, 4, H, W)
+        t = self.ln(h.flatten(2).transpose(1, 2))  # (n, HW, 4)
+        return self.out(torch.tanh(self.tok(t)).mean(1))
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_norm_layers_and_shared_positions(budget) -> None:
+    torch.manual_seed(0)
+    model = NormNet().to(DTYPE)
+    with torch.no_grad():
+        for m in (model.gn, model.ln):
+            m.weight.uniform_(0.5, 1.5)
+            m.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(5, 2, 3, 4, dtype=DTYPE)
+    y = torch.randint(3, (5,))
+    subset = mj.ParamSubset.all(model)
+    ref = loop_fisher(
+        model,
+        [[t] for t in x],
+        mj.InputKind.TENSOR,
+        list(y),
+        subset,
+        "classification",
+        "empirical",
+    )
+    res = diag_fisher(model, [(x, y)], progress=False, memory_budget=budget, method="layerwise")
+    assert res.plan["gn.weight"] == res.plan["ln.bias"] == "norm_affine"
+    assert res.plan["tok.weight"] == "per_sample"
+    torch.testing.assert_close(res.flat, ref, atol=TOL, rtol=0)
+
+
+def test_leaves_no_hooks_and_model_unchanged() -> None:
+    model, *_, data, _ = _data("bn_cnn_multicrop", "classification")
+    before = copy.deepcopy(model.state_dict())
+    diag_fisher(model, data, kind="mc", progress=False)
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    assert not torch.overrides._get_current_function_mode_stack()
+
+
+@st.composite
+def conv_configs(draw):
+    groups = draw(st.sampled_from([1, 2]))
+    cin = groups * draw(st.integers(1, 2))
+    cout = groups * draw(st.integers(1, 2))
+    k = draw(st.integers(1, 3))
+    dilation = draw(st.integers(1, 2))
+    padding = draw(st.sampled_from([0, 1, "same", "valid"]))
+    stride = 1 if padding == "same" else draw(st.integers(1, 2))
+    if padding == "same" and dilation * (k - 1) % 2:
+        padding = 0
+    size = draw(st.integers(dilation * (k - 1) + 1, 6))
+    return {
+        "conv": dict(
+            in_channels=cin,
+            out_channels=cout,
+            kernel_size=k,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+            bias=draw(st.booleans()),
+        ),
+        "conv1d": draw(st.booleans()),
+        "size": size,
+        "n": draw(st.sampled_from([1, 2, 3, 5])),
+        "shared": draw(st.booleans()),  # one conv applied to two inputs (a shared head)
+        "budget": draw(st.sampled_from([None, 1, 4096])),
+    }
+
+
+class ConvStack(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        cls = nn.Conv1d if cfg["conv1d"] else nn.Conv2d
+        self.conv = cls(**cfg["conv"])
+        self.shared = cfg["shared"]
+        self.out = nn.LazyLinear(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x)).flatten(1)
+        if self.shared:
+            h = torch.cat([h, torch.tanh(self.conv(x.flip(-1) * 0.5)).flatten(1)], 1)
+        return self.out(h)
+
+
+@settings(max_examples=25, deadline=None)
+@given(conv_configs())
+def test_conv_configs_match_loop(cfg) -> None:
+    torch.manual_seed(0)
+    model = ConvStack(cfg).to(DTYPE)
+    shape = (cfg["conv"]["in_channels"],) + ((cfg["size"],) if cfg["conv1d"] else (cfg["size"], 5))
+    x = torch.randn(cfg["n"], *shape, dtype=DTYPE)
+    model(x)  # materialise the lazy layer
+    y = torch.randint(2, (cfg["n"],))
+    subset = mj.ParamSubset.all(model)
+    ref = loop_fisher(
+        model,
+        [[t] for t in x],
+        mj.InputKind.TENSOR,
+        list(y),
+        subset,
+        "classification",
+        "empirical",
+    )
+    res = diag_fisher(
+        model, [(x, y)], progress=False, memory_budget=cfg["budget"], method="layerwise"
+    )
+    torch.testing.assert_close(res.flat, ref, atol=TOL, rtol=0)
