@@ -49,6 +49,7 @@ from .layerwise import (
     LayerwisePlan,
     LayerwiseRun,
     NotLayerwiseError,
+    batched_run,
     plan_layers,
 )
 from .packing import PackedBatch, pack
@@ -508,37 +509,12 @@ def _layerwise_chunk(
 def _batched_run(
     fn: PerSampleFunction, levels: list[Tensor], state: _State
 ) -> tuple[list[Tensor], Tensor, LayerwiseRun]:
-    """The model on stacked samples with the layer-wise hooks: the inputs (made to require
-    grad, the backward passes stop there), the output, and the run to call ``backward`` on."""
     assert state.plan is not None
-    lv = [t.detach().requires_grad_(t.is_floating_point()) for t in levels]
-    run = LayerwiseRun(state.plan, temp_bytes=state.temp_bytes)
-    with run:
-        out = fn.call_batch(lv)
-    if not state.separable_checked:
-        _check_separable(fn, levels, out)
-        state.separable_checked = True
+    lv, out, run = batched_run(
+        fn, levels, state.plan, temp_bytes=state.temp_bytes, check=not state.separable_checked
+    )
+    state.separable_checked = True
     return lv, out, run
-
-
-def _check_separable(fn: PerSampleFunction, levels: list[Tensor], out: Tensor) -> None:
-    """Sample 0 run alone must give what it gave in the batch (no cross-sample ops)."""
-    with torch.no_grad():
-        alone = _raw_output(fn, fn.values(), tuple(t[0] for t in levels)).reshape(-1)
-    batched = out[0].detach().reshape(-1)
-    if alone.shape != batched.shape:
-        raise NotLayerwiseError(
-            f"sample 0 gives an output of {alone.numel()} entries alone and {batched.numel()} in "
-            "a batch"
-        )
-    tol = 1e-9 if out.dtype == torch.float64 else 1e-4
-    scale = max(1.0, float(batched.abs().max())) if batched.numel() else 1.0
-    err = float((alone - batched).abs().max()) if batched.numel() else 0.0
-    if err > tol * scale:
-        raise NotLayerwiseError(
-            f"sample 0's output differs by {err:.3g} between a batch and a batch of one: the "
-            "model mixes samples in a batch"
-        )
 
 
 def _exact_layerwise(

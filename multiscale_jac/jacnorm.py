@@ -19,6 +19,7 @@ gradient (a custom autograd function: nothing of the forward is kept but the inp
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.func import grad, jvp, vmap
 
 from ._checks import (
+    check_bool,
     check_chunk_size,
     check_generator,
     check_model,
@@ -35,11 +37,32 @@ from ._checks import (
     check_train_mode_layers,
 )
 from .adapter import PerSampleFunction
-from .enums import BatchNormPolicy, Randomness, _StrEnum, parse_enum
+from .enums import BatchNormPolicy, FallbackWarning, Randomness, _StrEnum, parse_enum
+from .layerwise import LayerwisePlan, NotLayerwiseError, batched_run, plan_layers
 from .packing import PackedBatch, pack
 from .subset import ParamSubset, resolve_subset
 
-__all__ = ["Estimator", "jacobian_sq_norm", "jacobian_sq_norm_backward"]
+__all__ = ["Estimator", "JacNormMethod", "jacobian_sq_norm", "jacobian_sq_norm_backward"]
+
+#: per-sample gradients a layer-wise chunk keeps in its graph, at most (default chunk size)
+_LAYERWISE_BYTES = 64 * 2**20
+
+
+class JacNormMethod(_StrEnum):
+    """How ``S`` and its gradient are computed.
+
+    * ``auto``: ``layerwise`` when every selected tensor has a per-layer closed form and the
+      model does not mix samples in a batch (checked), else ``hvp``.
+    * ``layerwise``: one batched forward per chunk, one data-only backward per output row (or
+      probe) with ``create_graph``, per-sample layer gradients squared in closed form
+      (:mod:`~multiscale_jac.layerwise`), then one backward of the chunk's ``S``.
+    * ``hvp``: per sample and output row, ``grad`` then a forward-over-reverse Hessian-vector
+      product (``jvp`` of ``grad``), vectorised with ``vmap``; any model.
+    """
+
+    AUTO = "auto"
+    LAYERWISE = "layerwise"
+    HVP = "hvp"
 
 
 class Estimator(_StrEnum):
@@ -55,6 +78,7 @@ def jacobian_sq_norm(
     *,
     params: ParamSubset | str | list[str] | None = None,
     output_fn: Callable[[Any], Any] | None = None,
+    method: str | JacNormMethod = "auto",
     chunk_size: int | None = None,
     estimator: str | Estimator = "exact",
     num_probes: int | None = None,
@@ -62,6 +86,7 @@ def jacobian_sq_norm(
     batch_norm: str | BatchNormPolicy = "error",
     accumulate_grad: bool = False,
     scale: float = 1.0,
+    strict: bool = False,
 ) -> Tensor:
     """``S(theta) = sum_i sum_o sum_p J_iop^2`` over the selected entries ``p``, differentiable.
 
@@ -74,7 +99,10 @@ def jacobian_sq_norm(
         inputs: Anything :func:`~multiscale_jac.pack` accepts.
         params: The entries ``p`` summed over (a :class:`ParamSubset`, names or globs).
         output_fn: Applied to the model's output (batch dim of one kept) before flattening.
-        chunk_size: Samples per vectorised call (default 16).
+        method: ``auto``, ``layerwise`` or ``hvp`` (see :class:`JacNormMethod`).
+        chunk_size: Samples per batched run (``layerwise``; default: as many as keep the
+            chunk's per-sample gradients under 64 MiB) or per vectorised call (``hvp``;
+            default 16).
         estimator: ``exact`` or ``hutchinson``.
         num_probes: Probes per sample for ``hutchinson`` (default 8).
         generator: Seeds the probes (drawn once, so value and gradient use the same ones).
@@ -82,6 +110,7 @@ def jacobian_sq_norm(
         accumulate_grad: Compute value and gradient in one pass now and add
             ``scale * grad S`` into ``.grad``; the returned value is then detached.
         scale: The factor of the accumulated gradient (``accumulate_grad=True`` only).
+        strict: Raise instead of falling back from ``layerwise`` to ``hvp`` at run time.
 
     Returns:
         A 0-d tensor.
@@ -91,8 +120,18 @@ def jacobian_sq_norm(
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a number; got {type(scale).__name__}")
     job = _Job.build(
-        model, inputs, params, output_fn, chunk_size, estimator, num_probes, generator, batch_norm
+        model,
+        inputs,
+        params,
+        output_fn,
+        method,
+        chunk_size,
+        estimator,
+        num_probes,
+        generator,
+        batch_norm,
     )
+    job.strict = check_bool(strict, "strict") or job.requested is JacNormMethod.LAYERWISE
     if not accumulate_grad:
         return _SqNorm.apply(job, *job.trainable.values())
     value, grads = job.run(with_grad=True)
@@ -139,6 +178,12 @@ class _Job:
         self.probes: dict[int, Tensor] | None = None
         #: outputs per sample of every bucket, keyed by its first sample
         self.outputs: dict[int, int] = {}
+        self.method = JacNormMethod.HVP
+        self.plan: LayerwisePlan | None = None
+        self.notes: list[str] = []
+        self.checked = False
+        self.strict = False
+        self.requested = JacNormMethod.AUTO
 
     @classmethod
     def build(
@@ -147,6 +192,7 @@ class _Job:
         inputs: Any,
         params: Any,
         output_fn: Any,
+        method: Any,
         chunk_size: Any,
         estimator: Any,
         num_probes: Any,
@@ -155,7 +201,9 @@ class _Job:
     ) -> _Job:
         model = check_model(model)
         output_fn = check_output_fn(output_fn)
-        chunk = check_chunk_size(chunk_size) or 16
+        chunk = check_chunk_size(chunk_size)
+        method = parse_enum(JacNormMethod, method, "method")
+        requested = method
         est = parse_enum(Estimator, estimator, "estimator")
         policy = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
         if num_probes is not None:
@@ -171,8 +219,13 @@ class _Job:
             model, ParamSubset.all(model), job.packed.kind, output_fn, eval_batch_norm=eval_bn
         )
         job.packed = job.packed.to(job.fn.device)
-        job.chunk = chunk
+        job.chunk = chunk or 16
         named = dict(model.named_parameters())
+        job.requested = requested
+        job.method, job.plan = job._choose(model, subset, method, eval_bn)
+        if job.method is JacNormMethod.LAYERWISE:
+            # the chunk's per-sample gradients (kept by the graph) stay under 64 MiB
+            job.chunk = chunk or max(1, _LAYERWISE_BYTES // (4 * max(1, subset.numel)))
         job.trainable = {n: p for n, p in named.items() if p.requires_grad}
         job.mask = {}
         for name, t in subset.embed(
@@ -192,6 +245,23 @@ class _Job:
                     job.probes[i] = (2 * u - 1).to(job.fn.device)
         return job
 
+    def _choose(
+        self, model: nn.Module, subset: ParamSubset, method: JacNormMethod, eval_bn: bool
+    ) -> tuple[JacNormMethod, LayerwisePlan | None]:
+        if method is JacNormMethod.HVP:
+            return method, None
+        try:
+            plan = plan_layers(model, subset, eval_batch_norm=eval_bn)
+            if plan.reasons:
+                listed = "; ".join(f"{n!r} ({why})" for n, why in plan.reasons.items())
+                raise NotLayerwiseError(f"no closed form for {listed}")
+        except NotLayerwiseError as err:
+            if method is JacNormMethod.LAYERWISE:
+                raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
+            self.notes.append(f"hvp: {err}")
+            return JacNormMethod.HVP, None
+        return JacNormMethod.LAYERWISE, plan
+
     def _outputs(self, idx: list[int]) -> int:
         levels = tuple(t[0] for t in self.packed.stack(idx))
         with torch.no_grad():
@@ -199,6 +269,55 @@ class _Job:
 
     def run(self, *, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """``S`` and (optionally) ``grad S`` w.r.t. every parameter, summed over chunks."""
+        if self.method is JacNormMethod.LAYERWISE:
+            try:
+                return self._run_layerwise(with_grad)
+            except NotLayerwiseError as err:
+                if self.strict:
+                    raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
+                msg = f"layer-wise closed forms failed ({err}); falling back to hvp"
+                warnings.warn(msg, FallbackWarning, stacklevel=4)
+                self.notes.append(msg)
+                self.method = JacNormMethod.HVP
+        return self._run_hvp(with_grad)
+
+    def _run_layerwise(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per chunk: batched forward, one backward per output row / probe with the layer-wise
+        hooks (``create_graph`` for the gradient), ``S_chunk``, then its backward."""
+        assert self.plan is not None
+        params = list(self.trainable.values())
+        value = params[0].new_zeros(()) if params else torch.zeros(())
+        grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
+        for b in self.packed.buckets():
+            for s in range(0, len(b.indices), self.chunk):
+                idx = b.indices[s : s + self.chunk]
+                lv, out, run = batched_run(
+                    self.fn,
+                    self.packed.stack(idx),
+                    self.plan,
+                    create_graph=with_grad,
+                    check=not self.checked,
+                )
+                self.checked = True
+                with torch.enable_grad():
+                    flat = out.reshape(out.shape[0], -1)
+                    if self.probes is None:
+                        objectives = [(flat[:, o].sum(), 1.0) for o in range(flat.shape[1])]
+                    else:
+                        us = torch.stack([self.probes[i] for i in idx])  # (n, K, O)
+                        k = us.shape[1]
+                        objectives = [((flat * us[:, j]).sum(), 1.0 / k) for j in range(k)]
+                    sums = run.backward(objectives, lv)
+                    part = sum((sums[n] * self.mask[n]).sum() for n in self.mask)
+                    if with_grad and params:
+                        got = torch.autograd.grad(part, params, allow_unused=True)
+                        for (n, _), g in zip(self.trainable.items(), got):
+                            if g is not None:
+                                grads[n] += g
+                value = value + part.detach()
+        return value, grads
+
+    def _run_hvp(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         base = self.fn.params
         fn, mask = self.fn, self.mask
         value = next(iter(base.values())).new_zeros(())

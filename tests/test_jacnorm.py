@@ -42,8 +42,9 @@ def double_backward(model, case, subset) -> dict[str, torch.Tensor]:
     return ref
 
 
+@pytest.mark.parametrize("method", ["layerwise", "hvp"])
 @pytest.mark.parametrize("case_id", CASE_IDS)
-def test_value_and_gradient_match_the_loop(case_id: str) -> None:
+def test_value_and_gradient_match_the_loop(case_id: str, method: str) -> None:
     case = CASE_BY_ID[case_id]
     model = zoo_model(case_id)
     subset = make_subset(model, "elements", case)
@@ -51,7 +52,9 @@ def test_value_and_gradient_match_the_loop(case_id: str) -> None:
         model, case.inputs(), params=subset, output_fn=case.output_fn
     ).jacobian
     model.zero_grad(set_to_none=True)
-    s = jacobian_sq_norm(model, case.inputs(), params=subset, output_fn=case.output_fn)
+    s = jacobian_sq_norm(
+        model, case.inputs(), params=subset, output_fn=case.output_fn, method=method
+    )
     torch.testing.assert_close(s, (jac**2).sum(), atol=1e-10, rtol=0)
     s.backward()
     got = grads_of(model)
@@ -62,7 +65,12 @@ def test_value_and_gradient_match_the_loop(case_id: str) -> None:
     for chunk in (1, 3):
         model.zero_grad(set_to_none=True)
         v = jacobian_sq_norm_backward(
-            model, case.inputs(), params=subset, output_fn=case.output_fn, chunk_size=chunk
+            model,
+            case.inputs(),
+            params=subset,
+            output_fn=case.output_fn,
+            chunk_size=chunk,
+            method=method,
         )
         torch.testing.assert_close(v, s.detach(), atol=1e-10, rtol=0)
         for n, g in grads_of(model).items():
@@ -70,12 +78,15 @@ def test_value_and_gradient_match_the_loop(case_id: str) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def test_gradient_matches_finite_differences() -> None:
-    case = CASE_BY_ID["mlp_vectors"]
+@pytest.mark.parametrize(
+    "case_id, names", [("mlp_vectors", "net.0.weight"), ("bn_cnn_multicrop", "features.*")]
+)
+def test_gradient_matches_finite_differences(case_id: str, names: str) -> None:
+    case = CASE_BY_ID[case_id]
     model = zoo_model(case.id)
-    subset = mj.ParamSubset.from_names(model, "net.0.weight")
+    subset = mj.ParamSubset.from_names(model, names)
     model.zero_grad(set_to_none=True)
-    jacobian_sq_norm(model, case.inputs(), params=subset).backward()
+    jacobian_sq_norm(model, case.inputs(), params=subset, method="layerwise").backward()
     got = grads_of(model)
     model.zero_grad(set_to_none=True)
     eps = 1e-6
@@ -114,7 +125,7 @@ def test_hutchinson_is_unbiased_and_consistent() -> None:
     subset = make_subset(model, "elements", case)
     exact = jacobian_sq_norm(model, case.inputs(), params=subset).item()
 
-    def est(seed: int, k: int = 16) -> torch.Tensor:
+    def est(seed: int, k: int = 16, method: str = "auto") -> torch.Tensor:
         return jacobian_sq_norm(
             model,
             case.inputs(),
@@ -122,6 +133,7 @@ def test_hutchinson_is_unbiased_and_consistent() -> None:
             estimator="hutchinson",
             num_probes=k,
             generator=torch.Generator().manual_seed(seed),
+            method=method,
         )
 
     mean = sum(est(s).item() for s in range(40)) / 40
@@ -142,7 +154,36 @@ def test_hutchinson_is_unbiased_and_consistent() -> None:
     )
     for n, g in grads_of(model).items():
         torch.testing.assert_close(g, g1[n], atol=1e-10, rtol=0)
+    # both methods give the same estimate and gradient for the same probes
     model.zero_grad(set_to_none=True)
+    est(7, method="hvp").backward()
+    for n, g in grads_of(model).items():
+        torch.testing.assert_close(g, g1[n], atol=1e-10, rtol=0)
+    torch.testing.assert_close(est(7, method="hvp"), est(7, method="layerwise"), atol=1e-10, rtol=0)
+    model.zero_grad(set_to_none=True)
+
+
+def test_layerwise_fallback_warns() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2).to(DTYPE)
+
+    class Mix(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return h - h.mean(0, keepdim=True) + h
+
+    model, x = Mix(), torch.randn(4, 3, dtype=DTYPE)
+    with pytest.warns(mj.FallbackWarning, match="mixes samples"):
+        got = jacobian_sq_norm(model, x)
+    torch.testing.assert_close(got, jacobian_sq_norm(model, x, method="hvp"), atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="mixes samples"):
+        jacobian_sq_norm(model, x, strict=True)
+    with pytest.raises(ValueError, match="mixes samples"):
+        jacobian_sq_norm(model, x, method="layerwise")
 
 
 @pytest.mark.parametrize(
