@@ -9,7 +9,8 @@ Layers (each its own module; data flows one way):
 4. subset    -- :class:`ParamSubset` (which parameter entries are differentiated)
 5. engine    -- :func:`per_sample_jacobian`, :class:`JacobianResult`
 6. derived   -- :func:`diag_fisher` (diagonal Fisher / GGN over data),
-                :func:`jacobian_sq_norm` (the Jacobian-norm regulariser and its exact gradient)
+                :func:`jacobian_sq_norm` (the Jacobian-norm regulariser and its exact gradient),
+                both on the per-layer closed forms of :mod:`~multiscale_jac.layerwise`
 7. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
 """
 
@@ -26,8 +27,8 @@ from .enums import (
     Randomness,
     Strategy,
 )
-from .fisher import DiagFisherResult, FisherKind, Likelihood, diag_fisher
-from .jacnorm import Estimator, jacobian_sq_norm, jacobian_sq_norm_backward
+from .fisher import DiagFisherResult, FisherKind, FisherMethod, Likelihood, diag_fisher
+from .jacnorm import Estimator, JacNormMethod, jacobian_sq_norm, jacobian_sq_norm_backward
 from .levels import LevelOutputs, map_levels
 from .masked import UnsupportedOpError
 from .packing import Bucket, PackedBatch, Signature, pack
@@ -57,6 +58,8 @@ __all__ = [
     "DiagFisherResult",
     "Estimator",
     "FisherKind",
+    "FisherMethod",
+    "JacNormMethod",
     "Likelihood",
     "diag_fisher",
     "jacobian_sq_norm",

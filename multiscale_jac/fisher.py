@@ -156,7 +156,7 @@ def diag_fisher(
         method: ``auto``, ``layerwise`` or ``vmap`` (see :class:`FisherMethod`).
         chunk_size: Samples per batched run (``layerwise``; default: a whole shape bucket, as a
             training step would run it) or per vectorised call (``vmap``; default 32).
-        memory_budget: Bytes for per-layer temporaries (``layerwise``; default 32 MiB) and for
+        memory_budget: Bytes for per-layer temporaries (``layerwise``; default 8 MiB) and for
             the engine's per-sample Jacobians (``exact`` by ``vmap``).
         progress: A tqdm bar over the batches when a terminal is attached (never in logs).
         generator: Seeds the labels drawn for ``kind="mc"``.

@@ -67,9 +67,9 @@ __all__ = [
 #: flop-equivalents per per-sample gradient entry formed, squared and summed (memory bound)
 COST_PER_ENTRY = 12.0
 #: bytes of per-layer temporaries (unfolded columns, per-sample gradients) per chunk of samples
-DEFAULT_TEMP_BYTES = 32 * 2**20
+DEFAULT_TEMP_BYTES = 8 * 2**20
 #: per-sample gradients formed per chunk at most (squared while still in cache)
-CACHE_BYTES = 4 * 2**20
+CACHE_BYTES = 8 * 2**20
 
 _CONV = (nn.Conv1d, nn.Conv2d)
 _NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm)
@@ -372,7 +372,10 @@ class LayerwiseRun:
     ) -> None:
         """``per`` ``(c, *param)``: per-sample gradients of ``rows`` (all samples if None)."""
         if not multi:
-            self._add(s, _sum_of_squares(per, self.create_graph))
+            if self.create_graph:
+                self._add(s, (per * per).sum(0))
+            else:
+                _accumulate_squares(self._accumulator(s, per), per, self._weight)
             return
         n = per.shape[0] if n is None else n
         buf = self._buffers.get(s.name)
@@ -388,6 +391,13 @@ class LayerwiseRun:
         if rows.stop == n and all(c.received == self._objective + 1 for c in s.calls):
             del self._buffers[s.name]
             self._add(s, (buf * buf).sum(0))
+
+    def _accumulator(self, s: _Site, like: Tensor) -> Tensor:
+        """The site's running sum (no graph: updated in place)."""
+        acc = self._sums.get(s.name)
+        if acc is None:
+            acc = self._sums[s.name] = torch.zeros_like(like[0])
+        return acc
 
     def _add(self, s: _Site, sq: Tensor) -> None:
         sq = sq if self._weight == 1.0 else sq * self._weight
@@ -509,17 +519,14 @@ def unfold_columns(
     return view.reshape(n, c * kernel[0] * kernel[1], ho * wo)
 
 
-def _sum_of_squares(per: Tensor, differentiable: bool) -> Tensor:
-    """``(per ** 2).sum(0)``; without a graph, one pass over ``per`` (sample by sample into an
-    accumulator that stays in cache) when its rows are large."""
-    if differentiable:
-        return (per * per).sum(0)
+def _accumulate_squares(acc: Tensor, per: Tensor, weight: float) -> None:
+    """``acc += weight * (per ** 2).sum(0)`` in place; sample by sample (one pass over ``per``,
+    the accumulator staying in cache) when the rows are large."""
     if per[0].numel() < 16384:
-        return per.square_().sum(0)
-    acc = torch.zeros_like(per[0])
+        acc.add_(per.square_().sum(0), alpha=weight)
+        return
     for row in per:
-        acc.addcmul_(row, row)
-    return acc
+        acc.addcmul_(row, row, value=weight)
 
 
 def _per_sample_weight(d: Tensor, u: Tensor, groups: int) -> Tensor:
