@@ -509,9 +509,11 @@ def _layerwise_chunk(
 def _batched_run(
     fn: PerSampleFunction, levels: list[Tensor], state: _State
 ) -> tuple[list[Tensor], Tensor, LayerwiseRun]:
-    assert state.plan is not None
+    plan = state.plan
+    if plan is None:  # not reachable: callers check layerwise_names first
+        raise NotLayerwiseError("no layer-wise plan")
     lv, out, run = batched_run(
-        fn, levels, state.plan, temp_bytes=state.temp_bytes, check=not state.separable_checked
+        fn, levels, plan, temp_bytes=state.temp_bytes, check=not state.separable_checked
     )
     state.separable_checked = True
     return lv, out, run

@@ -284,7 +284,8 @@ class _Job:
     def _run_layerwise(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """Per chunk: batched forward, one backward per output row / probe with the layer-wise
         hooks (``create_graph`` for the gradient), ``S_chunk``, then its backward."""
-        assert self.plan is not None
+        if self.plan is None:  # not reachable: method is layerwise only with a plan
+            raise NotLayerwiseError("no layer-wise plan")
         params = list(self.trainable.values())
         value = params[0].new_zeros(()) if params else torch.zeros(())
         grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
