@@ -309,9 +309,11 @@ def _initial_plan(
         if method is FisherMethod.LAYERWISE:
             raise ValueError(f"diag_fisher(method='layerwise'): {err}") from err
         return f"no layer-wise closed forms: {err}"
-    if method is FisherMethod.LAYERWISE and plan.reasons:
-        listed = "; ".join(f"{n!r} ({why})" for n, why in plan.reasons.items())
-        raise ValueError(f"diag_fisher(method='layerwise'): no closed form for {listed}")
+    if method is FisherMethod.LAYERWISE:
+        try:
+            plan.require_all()
+        except NotLayerwiseError as err:
+            raise ValueError(f"diag_fisher(method='layerwise'): {err}") from err
     return plan
 
 

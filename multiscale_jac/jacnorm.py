@@ -252,9 +252,7 @@ class _Job:
             return method, None
         try:
             plan = plan_layers(model, subset, eval_batch_norm=eval_bn)
-            if plan.reasons:
-                listed = "; ".join(f"{n!r} ({why})" for n, why in plan.reasons.items())
-                raise NotLayerwiseError(f"no closed form for {listed}")
+            plan.require_all()
         except NotLayerwiseError as err:
             if method is JacNormMethod.LAYERWISE:
                 raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err

@@ -123,6 +123,12 @@ class LayerwisePlan:
     costs: dict[str, dict[str, float]] = field(default_factory=dict)
     sites: dict[str, _Site] = field(default_factory=dict, repr=False)
 
+    def require_all(self) -> None:
+        """Raise :class:`NotLayerwiseError` naming every tensor without a closed form."""
+        if self.reasons:
+            listed = "; ".join(f"{n!r} ({why})" for n, why in self.reasons.items())
+            raise NotLayerwiseError(f"no closed form for {listed}")
+
     @property
     def layerwise_names(self) -> tuple[str, ...]:
         return tuple(n for n, r in self.rules.items() if r != LayerRule.VMAP)
@@ -335,7 +341,7 @@ class LayerwiseRun:
             self._add_per_sample(s, d.sum(-1), multi)
             return
         n, co, positions = d.shape
-        ck = u(slice(0, 1)).shape[1]
+        ck = m.weight[0].numel() * groups  # rows of U: C_in * prod(kernel)
         if s.name not in self.plan.costs:
             gram = 2.0 * positions**2 * co * ck / groups
             ps = (2.0 * positions + COST_PER_ENTRY) * co * ck / groups

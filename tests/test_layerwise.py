@@ -57,6 +57,14 @@ def _data(case_id: str, likelihood: str, size: int = 3):
     return model, samples, kind_in, targets, batches(samples, targets, kind_in, size), ofn
 
 
+def _loop_on_tensor(model, x, y, subset) -> torch.Tensor:
+    """The loop oracle's empirical classification Fisher for a plain ``(N, ...)`` batch."""
+    samples = [[t] for t in x]
+    return loop_fisher(
+        model, samples, mj.InputKind.TENSOR, list(y), subset, "classification", "empirical"
+    )
+
+
 def _likelihoods(case_id: str) -> list[str]:
     return ["regression"] if case_id.startswith("fpn") else ["classification", "regression"]
 
@@ -152,16 +160,7 @@ def test_runtime_fallback_warns_and_strict_raises(cls, match) -> None:
     x = torch.randn(5, 4, dtype=DTYPE)
     y = torch.randint(3, (5,))
     data = [(x, y)]
-    samples = [[t] for t in x]
-    ref = loop_fisher(
-        model,
-        samples,
-        mj.InputKind.TENSOR,
-        list(y),
-        mj.ParamSubset.all(model),
-        "classification",
-        "empirical",
-    )
+    ref = _loop_on_tensor(model, x, y, mj.ParamSubset.all(model))
     with pytest.warns(mj.FallbackWarning, match=match):
         res = diag_fisher(model, data, progress=False)
     assert any(match in n for n in res.notes)
@@ -201,15 +200,7 @@ def test_norm_layers_and_shared_positions(budget) -> None:
     x = torch.randn(5, 2, 3, 4, dtype=DTYPE)
     y = torch.randint(3, (5,))
     subset = mj.ParamSubset.all(model)
-    ref = loop_fisher(
-        model,
-        [[t] for t in x],
-        mj.InputKind.TENSOR,
-        list(y),
-        subset,
-        "classification",
-        "empirical",
-    )
+    ref = _loop_on_tensor(model, x, y, subset)
     res = diag_fisher(model, [(x, y)], progress=False, memory_budget=budget, method="layerwise")
     assert res.plan["gn.weight"] == res.plan["ln.bias"] == "norm_affine"
     assert res.plan["tok.weight"] == "per_sample"
@@ -284,15 +275,7 @@ def test_conv_configs_match_loop(cfg) -> None:
     model(x)  # materialise the lazy layer
     y = torch.randint(2, (cfg["n"],))
     subset = mj.ParamSubset.all(model)
-    ref = loop_fisher(
-        model,
-        [[t] for t in x],
-        mj.InputKind.TENSOR,
-        list(y),
-        subset,
-        "classification",
-        "empirical",
-    )
+    ref = _loop_on_tensor(model, x, y, subset)
     res = diag_fisher(
         model, [(x, y)], progress=False, memory_budget=cfg["budget"], method="layerwise"
     )
