@@ -35,6 +35,7 @@ summing ``N Co Ck`` entries is bound by memory traffic).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,7 @@ COST_PER_ENTRY = 12.0
 #: bytes of per-layer temporaries (unfolded columns, per-sample gradients) per chunk of samples
 DEFAULT_TEMP_BYTES = 8 * 2**20
 #: per-sample gradients formed per chunk at most (squared while still in cache)
-CACHE_BYTES = 8 * 2**20
+CACHE_BYTES = 2 * 2**20
 
 _CONV = (nn.Conv1d, nn.Conv2d)
 _NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm)
@@ -237,6 +238,25 @@ class LayerwiseRun:
         self._weight = 1.0
         self._objective = 0
         self._error: BaseException | None = None
+        # reusable flat buffers for the per-layer temporaries (no-graph runs only): the same
+        # memory serves every layer and chunk instead of a fresh allocation each time
+        self._work: dict[str, Tensor] = {}
+
+    def _scratch(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
+        """A ``shape`` view of the run's reusable buffer ``key``; ``None`` with ``create_graph``
+        (the temporaries are then part of the graph)."""
+        if self.create_graph:
+            return None
+        numel = math.prod(shape)
+        buf = self._work.get(key)
+        if (
+            buf is None
+            or buf.numel() < numel
+            or buf.dtype != like.dtype
+            or buf.device != like.device
+        ):
+            buf = self._work[key] = like.new_empty(numel)
+        return buf[:numel].view(shape)
 
     def __enter__(self) -> LayerwiseRun:
         try:
@@ -254,6 +274,7 @@ class LayerwiseRun:
 
     def close(self) -> None:
         self._stack.close()
+        self._work.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -336,7 +357,7 @@ class LayerwiseRun:
             per = _norm_grads(m, a, g, s.role)  # (N, *param)
             self._add_per_sample(s, per, multi)
             return
-        d, u, groups = _columns(m, a, g)  # (N, Co, L), input columns maker, groups
+        d, u, groups = _columns(m, a, g, self._scratch)  # (N, Co, L), columns maker, groups
         if s.role == "bias":
             self._add_per_sample(s, d.sum(-1), multi)
             return
@@ -360,9 +381,13 @@ class LayerwiseRun:
             cols = u(slice(start, min(n, start + outer)))
             for sub in range(0, cols.shape[0], inner):
                 rows = slice(start + sub, start + min(cols.shape[0], sub + inner))
-                per = _per_sample_weight(d[rows], cols[sub : sub + inner], groups)
+                c = rows.stop - rows.start
+                out = self._scratch("per", (c, co, ck // groups), d)
+                per = _per_sample_weight(d[rows], cols[sub : sub + inner], groups, out)
                 per = per.reshape(per.shape[0], *m.weight.shape)  # (c, *weight)
                 self._add_per_sample(s, per, multi, rows, n)
+                del per  # before the next chunk's bmm allocates its own
+            del cols
 
     def _chunk(self, n: int, elems_per_sample: int, like: Tensor, cap: int | None = None) -> int:
         budget = self.temp_bytes if cap is None else min(cap, self.temp_bytes)
@@ -480,9 +505,15 @@ def check_separable(fn: PerSampleFunction, levels: list[Tensor], out: Tensor) ->
 
 
 # ---------------------------------------------------------------------- closed forms
-def _columns(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Callable[[slice], Tensor], int]:
+_Scratch = Callable[[str, tuple[int, ...], Tensor], "Tensor | None"]
+
+
+def _columns(
+    m: nn.Module, a: Tensor, g: Tensor, scratch: _Scratch | None = None
+) -> tuple[Tensor, Callable[[slice], Tensor], int]:
     """Column form: ``D`` ``(N, Co, L)``, a function giving ``U`` ``(c, Ck, L)`` for a slice of
-    samples (unfolded lazily, chunk by chunk), and the number of groups."""
+    samples (unfolded lazily, chunk by chunk, into ``scratch`` buffers when given), and the
+    number of groups."""
     n = g.shape[0]
     if isinstance(m, nn.Linear):
         d = g.reshape(n, -1, g.shape[-1]).transpose(1, 2)
@@ -497,7 +528,7 @@ def _columns(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Callable[[slic
     d = g.reshape(n, g.shape[1], -1)
 
     def unfold(rows: slice) -> Tensor:
-        return unfold_columns(a[rows], kernel, stride, padding, dilation)
+        return unfold_columns(a[rows], kernel, stride, padding, dilation, scratch=scratch)
 
     return d, unfold, m.groups
 
@@ -508,11 +539,27 @@ def unfold_columns(
     stride: tuple[int, int],
     padding: tuple[int, int],
     dilation: tuple[int, int],
+    *,
+    scratch: _Scratch | None = None,
 ) -> Tensor:
     """``F.unfold`` as one strided copy (several times faster on CPU for small kernels):
-    ``(n, C, H, W)`` -> ``(n, C * kh * kw, L)``."""
+    ``(n, C, H, W)`` -> ``(n, C * kh * kw, L)``. With ``scratch`` (see
+    :meth:`LayerwiseRun._scratch`) the padded input and the columns go into reused buffers."""
+    if x.requires_grad:
+        # in a graph: im2col, whose backward (col2im) is far cheaper than that of a strided
+        # view with overlapping windows
+        return F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+    scratch = scratch or (lambda key, shape, like: None)
     if any(padding):
-        x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+        n, c, h, w = x.shape
+        shape = (n, c, h + 2 * padding[0], w + 2 * padding[1])
+        padded = scratch("pad", shape, x)
+        if padded is None:
+            x = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+        else:
+            padded.zero_()
+            padded[:, :, padding[0] : padding[0] + h, padding[1] : padding[1] + w] = x
+            x = padded
     n, c, h, w = x.shape
     ho = (h - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
     wo = (w - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
@@ -522,7 +569,10 @@ def unfold_columns(
         (sn, sc, sh * dilation[0], sw * dilation[1], sh * stride[0], sw * stride[1]),
         x.storage_offset(),
     )
-    return view.reshape(n, c * kernel[0] * kernel[1], ho * wo)
+    out = scratch("cols", (n, c, kernel[0], kernel[1], ho, wo), x)
+    if out is None:
+        return view.reshape(n, c * kernel[0] * kernel[1], ho * wo)
+    return out.copy_(view).view(n, c * kernel[0] * kernel[1], ho * wo)
 
 
 def _accumulate_squares(acc: Tensor, per: Tensor, weight: float) -> None:
@@ -535,14 +585,20 @@ def _accumulate_squares(acc: Tensor, per: Tensor, weight: float) -> None:
         acc.addcmul_(row, row, value=weight)
 
 
-def _per_sample_weight(d: Tensor, u: Tensor, groups: int) -> Tensor:
-    """``G_i = D_i U_i^T`` per group: ``(c, Co, Ck / groups)``."""
+def _per_sample_weight(d: Tensor, u: Tensor, groups: int, out: Tensor | None = None) -> Tensor:
+    """``G_i = D_i U_i^T`` per group: ``(c, Co, Ck / groups)`` (written into ``out`` if given)."""
     c, co, positions = d.shape
     if groups == 1:
-        return torch.bmm(d, u.transpose(1, 2))
+        if out is None:
+            return torch.bmm(d, u.transpose(1, 2))
+        return torch.bmm(d, u.transpose(1, 2), out=out)
     dg = d.view(c, groups, co // groups, positions)
     ug = u.view(c, groups, u.shape[1] // groups, positions)
-    return torch.matmul(dg, ug.transpose(-1, -2)).reshape(c, co, -1)
+    if out is None:
+        return torch.matmul(dg, ug.transpose(-1, -2)).reshape(c, co, -1)
+    grouped = out.view(c, groups, co // groups, -1)
+    torch.matmul(dg, ug.transpose(-1, -2), out=grouped)
+    return out
 
 
 def _gram(d: Tensor, u: Callable[[slice], Tensor], groups: int, step: int) -> Tensor:
@@ -575,7 +631,12 @@ def _norm_grads(m: nn.Module, a: Tensor, g: Tensor, role: str) -> Tensor:
         return g.sum(dims) if dims else g
     if isinstance(m, nn.GroupNorm):
         xhat = F.group_norm(a, m.num_groups, None, None, m.eps)
-    else:
-        shape = (1, -1) + (1,) * (a.dim() - 2)
-        xhat = (a - m.running_mean.view(shape)) * torch.rsqrt(m.running_var.view(shape) + m.eps)
-    return (g * xhat).sum(dims) if dims else g * xhat
+        return (g * xhat).sum(dims) if dims else g * xhat
+    # BatchNorm with running statistics: sum_p g (a - mu) r = r (sum_p g a - mu sum_p g), the
+    # inner products as one batched matmul (no activation-sized temporaries)
+    rstd = torch.rsqrt(m.running_var + m.eps)
+    if not dims:
+        return g * (a - m.running_mean) * rstd
+    n, c = g.shape[:2]
+    ga = torch.bmm(g.reshape(n * c, 1, -1), a.reshape(n * c, -1, 1)).view(n, c)
+    return (ga - m.running_mean * g.sum(dims)) * rstd
