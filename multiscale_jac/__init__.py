@@ -10,7 +10,8 @@ Layers (each its own module; data flows one way):
 5. engine    -- :func:`per_sample_jacobian`, :class:`JacobianResult`
 6. derived   -- :func:`diag_fisher` (diagonal Fisher / GGN over data),
                 :func:`jacobian_sq_norm` (the Jacobian-norm regulariser and its exact gradient),
-                both on the per-layer closed forms of :mod:`~multiscale_jac.layerwise`
+                both on the per-layer closed forms of :mod:`~multiscale_jac.layerwise`;
+                :class:`SubnetLaplace` (subset GGN, marginal likelihood, GLM predictive)
 7. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
 """
 
@@ -29,6 +30,7 @@ from .enums import (
 )
 from .fisher import DiagFisherResult, FisherKind, FisherMethod, Likelihood, diag_fisher
 from .jacnorm import Estimator, JacNormMethod, jacobian_sq_norm, jacobian_sq_norm_backward
+from .laplace import GLMPredictive, HessianKind, LinkApprox, PriorStructure, SubnetLaplace
 from .levels import LevelOutputs, map_levels
 from .masked import UnsupportedOpError
 from .packing import Bucket, PackedBatch, Signature, pack
@@ -64,6 +66,12 @@ __all__ = [
     "diag_fisher",
     "jacobian_sq_norm",
     "jacobian_sq_norm_backward",
+    # subnetwork Laplace
+    "GLMPredictive",
+    "HessianKind",
+    "LinkApprox",
+    "PriorStructure",
+    "SubnetLaplace",
     # reference
     "reference",
     # option enums and warnings

@@ -40,6 +40,7 @@ from ._checks import (
     check_positive_int,
     check_train_mode_layers,
 )
+from ._distributed import Reducer
 from .adapter import PerSampleFunction
 from .engine import per_sample_jacobian
 from .enums import BatchNormPolicy, FallbackWarning, InputKind, Randomness, _StrEnum, parse_enum
@@ -138,6 +139,7 @@ def diag_fisher(
     generator: torch.Generator | None = None,
     batch_norm: str | BatchNormPolicy = "error",
     strict: bool = False,
+    process_group: Any = None,
 ) -> DiagFisherResult:
     """Diagonal Fisher / GGN of the selected parameters, averaged over ``data``.
 
@@ -162,6 +164,10 @@ def diag_fisher(
         generator: Seeds the labels drawn for ``kind="mc"``.
         batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
         strict: Raise instead of falling back from ``layerwise`` to ``vmap`` at run time.
+        process_group: With ``torch.distributed`` initialised, every rank processes its shard
+            of ``data`` (a ``DistributedSampler``'s, or every ``world_size``-th batch) and the
+            sums are all-reduced once at the end, so every rank gets the result over all of
+            the data; ``None`` uses the default group (see :mod:`~multiscale_jac._distributed`).
 
     Returns:
         A :class:`DiagFisherResult`.
@@ -202,9 +208,10 @@ def diag_fisher(
     )
     state = _State(subset, _initial_plan(model, subset, method, eval_bn))
     state.temp_bytes = memory_budget or DEFAULT_TEMP_BYTES
+    reducer = Reducer(process_group)
     total: dict[str, Tensor] = {}
     count = 0
-    for batch in _progress(data, progress):
+    for batch in _progress(reducer.shard(data), progress):
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise ValueError(
                 f"data must yield (inputs, targets) pairs; got a {type(batch).__name__}"
@@ -230,9 +237,19 @@ def diag_fisher(
         for name, t in part.items():
             total[name] = t if name not in total else total[name] + t
         count += packed.num_samples
-    if not total or count == 0:
+    like = subset.values(model)[subset.names[0]]
+    flat = torch.cat(
+        [
+            total[n].reshape(-1) if n in total else like.new_zeros(subset.selected_shape(n).numel())
+            for n in subset.names
+        ]
+    )
+    reducer.sum_([flat])
+    (count_f,) = reducer.sum_numbers([float(count)], flat)
+    count = int(count_f)
+    if count == 0:
         raise ValueError("data yielded no samples")
-    flat = torch.cat([total[n].reshape(-1) for n in subset.names]) / count
+    flat = flat / count
     return DiagFisherResult(
         flat,
         subset,

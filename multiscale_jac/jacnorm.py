@@ -36,6 +36,7 @@ from ._checks import (
     check_positive_int,
     check_train_mode_layers,
 )
+from ._distributed import Reducer
 from .adapter import PerSampleFunction
 from .enums import BatchNormPolicy, FallbackWarning, Randomness, _StrEnum, parse_enum
 from .layerwise import LayerwisePlan, NotLayerwiseError, batched_run, plan_layers
@@ -87,6 +88,7 @@ def jacobian_sq_norm(
     accumulate_grad: bool = False,
     scale: float = 1.0,
     strict: bool = False,
+    process_group: Any = None,
 ) -> Tensor:
     """``S(theta) = sum_i sum_o sum_p J_iop^2`` over the selected entries ``p``, differentiable.
 
@@ -111,6 +113,10 @@ def jacobian_sq_norm(
             ``scale * grad S`` into ``.grad``; the returned value is then detached.
         scale: The factor of the accumulated gradient (``accumulate_grad=True`` only).
         strict: Raise instead of falling back from ``layerwise`` to ``hvp`` at run time.
+        process_group: ``accumulate_grad=True`` only. With ``torch.distributed`` initialised,
+            ``inputs`` are this rank's samples; ``S`` and its gradient are summed over the
+            ranks (one all-reduce) before the gradient is added, so every rank gets the result
+            over all ranks' samples (``None``: the default group).
 
     Returns:
         A 0-d tensor.
@@ -133,8 +139,12 @@ def jacobian_sq_norm(
     )
     job.strict = check_bool(strict, "strict") or job.requested is JacNormMethod.LAYERWISE
     if not accumulate_grad:
+        if process_group is not None:
+            raise ValueError("process_group needs accumulate_grad=True (jacobian_sq_norm_backward)")
         return _SqNorm.apply(job, *job.trainable.values())
+    reducer = Reducer(process_group)
     value, grads = job.run(with_grad=True)
+    reducer.sum_([value, *grads.values()])
     for name, p in job.trainable.items():
         g = (grads[name] * scale).to(p.dtype)
         p.grad = g if p.grad is None else p.grad + g

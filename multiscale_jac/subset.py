@@ -190,6 +190,105 @@ class ParamSubset:
             sel[canon] = idx
         return cls(_layout_of(params), sel)
 
+    # ------------------------------------------------------------------ subnetwork selection
+    @classmethod
+    def largest_variance(
+        cls,
+        model: nn.Module,
+        data: Iterable[tuple[Any, Any]],
+        k: int,
+        *,
+        likelihood: str = "classification",
+        prior_precision: float = 1.0,
+        params: ParamSubset | str | Sequence[str] | None = None,
+        **fisher_kwargs: Any,
+    ) -> ParamSubset:
+        """The ``k`` entries with the largest marginal variance under a diagonal Laplace
+        (Daxberger et al. 2021): ``1 / (sum_i diag GGN_i + prior_precision)``.
+
+        Args:
+            model: The model at its MAP.
+            data: As for :func:`~multiscale_jac.diag_fisher` (one pass).
+            k: How many entries.
+            likelihood: ``classification`` or ``regression``.
+            prior_precision: Added to the summed diagonal GGN.
+            params: Candidate entries (default: every parameter).
+            **fisher_kwargs: Passed to :func:`~multiscale_jac.diag_fisher` (``sigma_noise``,
+                ``output_fn``, ``ignore_index``, ``batch_norm``, ``progress``, ...).
+
+        Raises:
+            ValueError: ``k`` out of range, or what ``diag_fisher`` raises.
+        """
+        from .fisher import diag_fisher
+
+        if isinstance(prior_precision, bool) or not isinstance(prior_precision, (int, float)):
+            raise TypeError(f"prior_precision must be a positive number; got {prior_precision!r}")
+        if not prior_precision > 0:
+            raise ValueError(f"prior_precision must be positive; got {prior_precision!r}")
+        fisher_kwargs.setdefault("progress", False)
+        res = diag_fisher(
+            model, data, params=params, likelihood=likelihood, kind="exact", **fisher_kwargs
+        )
+        variance = 1.0 / (res.flat * res.num_samples + prior_precision)
+        return cls._top(model, res.subset, variance, k, "largest_variance")
+
+    @classmethod
+    def largest_magnitude(
+        cls,
+        model: nn.Module,
+        k: int,
+        *,
+        params: ParamSubset | str | Sequence[str] | None = None,
+    ) -> ParamSubset:
+        """The ``k`` entries of largest absolute value (among ``params``, default all)."""
+        candidates = resolve_subset(params, model)
+        values = candidates.values(model)
+        scores = torch.cat([values[n].reshape(-1) for n in candidates.names]).abs()
+        return cls._top(model, candidates, scores, k, "largest_magnitude")
+
+    @classmethod
+    def random(
+        cls,
+        model: nn.Module,
+        k: int,
+        *,
+        generator: torch.Generator | None = None,
+        params: ParamSubset | str | Sequence[str] | None = None,
+    ) -> ParamSubset:
+        """``k`` entries drawn uniformly without replacement (seeded by ``generator``)."""
+        candidates = resolve_subset(params, model)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator; got {generator!r}")
+        _check_k(k, candidates.numel, "random")
+        pick = torch.randperm(candidates.numel, generator=generator)[:k]
+        return cls.from_flat_indices(model, candidates.flat_indices()[pick])
+
+    @classmethod
+    def last_layer(cls, model: nn.Module) -> ParamSubset:
+        """Every parameter of the last module (registration order) that owns parameters.
+
+        Raises:
+            ValueError: the model has no parameters.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"last_layer expects an nn.Module; got {type(model).__name__}")
+        last = None
+        for name, m in model.named_modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                last = name
+        if last is None:
+            raise ValueError("the model has no parameters")
+        owned = [n for n, _ in model.get_submodule(last).named_parameters(recurse=False)]
+        return cls.from_names(model, [f"{last}.{n}" if last else n for n in owned])
+
+    @classmethod
+    def _top(
+        cls, model: nn.Module, candidates: ParamSubset, scores: Tensor, k: int, what: str
+    ) -> ParamSubset:
+        _check_k(k, candidates.numel, what)
+        top = torch.topk(scores.detach().cpu(), k).indices
+        return cls.from_flat_indices(model, candidates.flat_indices()[top])
+
     # ------------------------------------------------------------------ facts
     @property
     def names(self) -> tuple[str, ...]:
@@ -405,6 +504,13 @@ def _per_tensor(
         seen[canon] = name
         entries.append((name, canon, value))
     return params, entries
+
+
+def _check_k(k: Any, available: int, what: str) -> None:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"{what}: k must be an int; got {k!r}")
+    if not 1 <= k <= available:
+        raise ValueError(f"{what}: k must be in 1..{available} (the candidate entries); got {k}")
 
 
 def _layout_of(params: Mapping[str, Tensor]) -> list[tuple[str, torch.Size]]:
