@@ -1,4 +1,5 @@
-"""Command line: ``multiscale-jac demo`` (also ``python -m multiscale_jac demo``)."""
+"""Command line: ``multiscale-jac demo`` and ``multiscale-jac bench`` (also ``python -m
+multiscale_jac ...``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 _DTYPES = {"float32": "float32", "float64": "float64"}
+#: the benchmark suites (kept here so that --help needs no import of torch)
+_SUITES = (
+    "bench_jacobian",
+    "bench_multires",
+    "bench_subset",
+    "bench_fisher",
+    "bench_jacnorm",
+    "bench_laplace",
+)
 
 
 def _positive_int(text: str) -> int:
@@ -58,6 +68,62 @@ def build_parser() -> argparse.ArgumentParser:
         default="float64",
         help="dtype of model and data (default float64)",
     )
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmark suites and write report.md, results.json and plots",
+        description=(
+            "Run the benchmark suites of the source tree's benchmarks/ folder (bench_jacobian, "
+            "bench_multires, bench_subset, bench_fisher, bench_jacnorm, bench_laplace), each in "
+            "its own process. Every method is timed as a ratio to one training step measured in "
+            "the same process, with peak memory from a fresh process per cell (CUDA: "
+            "max_memory_allocated after cuda.synchronize). Writes DIR/report.md (tables), "
+            "DIR/results.json (every record, with the environment: torch version, device, "
+            "threads), DIR/raw/ (each suite's own JSON) and DIR/<suite>.png (time ratio and "
+            "memory per method, log scale; needs matplotlib, the 'plot' extra). Exits with "
+            "status 1 if a suite fails."
+        ),
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="small workloads (a few minutes on a laptop CPU)"
+    )
+    bench.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where to run (default cpu; suites without CUDA support are skipped on cuda)",
+    )
+    bench.add_argument(
+        "--out",
+        default="bench-report",
+        metavar="DIR",
+        help="output folder, created if missing (default ./bench-report)",
+    )
+    bench.add_argument(
+        "--suites",
+        nargs="+",
+        choices=list(_SUITES),
+        default=list(_SUITES),
+        metavar="SUITE",
+        help=f"suites to run (default all: {', '.join(_SUITES)})",
+    )
+    bench.add_argument(
+        "--timeout",
+        type=_positive_int,
+        default=None,
+        metavar="SECONDS",
+        help="stop a suite that runs longer (default: no limit)",
+    )
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar over the suites")
+    bench.add_argument(
+        "--from",
+        dest="from_dir",
+        default=None,
+        metavar="DIR",
+        help=(
+            "run nothing: write the report from the suites' JSON already in DIR (e.g. "
+            "benchmarks/results, the committed full runs; with --quick, their quick runs)"
+        ),
+    )
     return parser
 
 
@@ -69,8 +135,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "demo":
         return _demo(args, parser)
+    if args.command == "bench":
+        return _bench(args, parser)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it)
     return 2
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pathlib import Path
+
+    from ._bench import benchmarks_dir, run_bench, write_report
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is available")
+    try:
+        benchmarks_dir()
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {args.out!r} exists and is not a folder")
+    if args.from_dir is not None:
+        if not Path(args.from_dir).is_dir():
+            parser.error(f"--from {args.from_dir!r} is not a folder")
+        write_report(Path(args.from_dir), out, args.suites, quick=args.quick, device=args.device)
+        return 0
+    return run_bench(
+        quick=args.quick,
+        device=args.device,
+        out=out,
+        suites=args.suites,
+        progress=not args.no_progress,
+        timeout=args.timeout,
+    )
 
 
 def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -47,7 +47,7 @@ from ._checks import (
 from ._distributed import Reducer
 from .adapter import PerSampleFunction
 from .engine import per_sample_jacobian
-from .enums import BatchNormPolicy, Randomness, _StrEnum, parse_enum
+from .enums import BatchNormPolicy, Entries, Randomness, _StrEnum, parse_enum
 from .fisher import Likelihood, _Capture, _progress, _raw_output, _split_targets, _subbatch
 from .packing import PackedBatch, pack
 from .subset import ParamSubset
@@ -153,6 +153,8 @@ class SubnetLaplace:
             taken in chunks, and a sample above it in slices of its output positions. The
             engine computing each chunk keeps to its own default working set.
         batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
+        entries: How the engine forms single-entry columns (``auto``, ``structured`` or
+            ``generic``; see :func:`~multiscale_jac.per_sample_jacobian`).
 
     Raises:
         TypeError, ValueError: bad arguments (the message names the value).
@@ -173,6 +175,7 @@ class SubnetLaplace:
         ignore_index: int = -100,
         memory_budget: int | None = None,
         batch_norm: str | BatchNormPolicy = "error",
+        entries: str | Entries = "auto",
     ) -> None:
         from .subset import resolve_subset
 
@@ -186,6 +189,7 @@ class SubnetLaplace:
         self.ignore_index = ignore_index
         self.memory_budget = check_memory_budget(memory_budget) or DEFAULT_JACOBIAN_BYTES
         self.batch_norm = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
+        self.entries = parse_enum(Entries, entries, "entries")
         self._eval_bn = check_train_mode_layers(model, self.batch_norm, Randomness.ERROR)
         values = self.subset.values(model)
         self.mean = torch.cat(
@@ -198,7 +202,7 @@ class SubnetLaplace:
         if self.likelihood is Likelihood.CLASSIFICATION and self.sigma_noise != 1.0:
             raise ValueError(f"sigma_noise must be 1 for classification; got {sigma_noise!r}")
         self.prior_mean = self._vector(prior_mean, "prior_mean", positive=False)
-        self.prior_precision = self._vector(prior_precision, "prior_precision", positive=True)
+        self._prior_precision = self._vector(prior_precision, "prior_precision", positive=True)
         self.H: Tensor | None = None
         self.loss = 0.0
         self.n_data = 0
@@ -332,6 +336,17 @@ class SubnetLaplace:
         return y
 
     # ------------------------------------------------------------------ posterior
+    @property
+    def prior_precision(self) -> Tensor:
+        """The prior precision as a ``(P,)`` diagonal. Assign any form the constructor takes;
+        the cached posterior factor is then recomputed."""
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, value: Any) -> None:
+        self._prior_precision = self._vector(value, "prior_precision", positive=True)
+        self._chol = None
+
     def _factor(self, sigma: Tensor | float) -> Tensor | float:
         power = 4 if (self.hessian is HessianKind.EMPIRICAL) else 2
         if self.likelihood is Likelihood.CLASSIFICATION:
@@ -440,10 +455,7 @@ class SubnetLaplace:
             loss.backward()
             opt.step()
         best = log_prec.detach().exp()
-        self.prior_precision = self._vector(
-            best[0] if structure is PriorStructure.SCALAR else best, "prior_precision", True
-        )
-        self._chol = None
+        self.prior_precision = best[0] if structure is PriorStructure.SCALAR else best
         return best[0] if structure is PriorStructure.SCALAR else best
 
     # ------------------------------------------------------------------ sampling / predictive
@@ -652,6 +664,7 @@ class SubnetLaplace:
             params=self.subset,
             output_fn=output_fn or self.output_fn,
             batch_norm=self.batch_norm,
+            entries=self.entries,
         )
 
     def _vector(self, value: Any, what: str, positive: bool) -> Tensor:
@@ -692,7 +705,7 @@ class SubnetLaplace:
 
     def _prior(self, prior_precision: Any) -> Tensor:
         if prior_precision is None:
-            return self.prior_precision
+            return self._prior_precision
         return self._vector(prior_precision, "prior_precision", positive=True)
 
     def __repr__(self) -> str:

@@ -214,7 +214,10 @@ class ParamSubset:
             prior_precision: Added to the summed diagonal GGN.
             params: Candidate entries (default: every parameter).
             **fisher_kwargs: Passed to :func:`~multiscale_jac.diag_fisher` (``sigma_noise``,
-                ``output_fn``, ``ignore_index``, ``batch_norm``, ``progress``, ...).
+                ``output_fn``, ``ignore_index``, ``batch_norm``, ``progress``, ...; ``kind``
+                defaults to ``exact``, the GGN, and ``empirical`` is cheaper for dense
+                outputs). Entries with zero curvature (dead units) get the prior variance,
+                the largest there is, although they change no prediction.
 
         Raises:
             ValueError: ``k`` out of range, or what ``diag_fisher`` raises.
@@ -226,9 +229,8 @@ class ParamSubset:
         if not prior_precision > 0:
             raise ValueError(f"prior_precision must be positive; got {prior_precision!r}")
         fisher_kwargs.setdefault("progress", False)
-        res = diag_fisher(
-            model, data, params=params, likelihood=likelihood, kind="exact", **fisher_kwargs
-        )
+        fisher_kwargs.setdefault("kind", "exact")
+        res = diag_fisher(model, data, params=params, likelihood=likelihood, **fisher_kwargs)
         variance = 1.0 / (res.flat * res.num_samples + prior_precision)
         return cls._top(model, res.subset, variance, k, "largest_variance")
 

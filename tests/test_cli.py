@@ -36,6 +36,10 @@ def test_help_lists_commands(capsys) -> None:
         (["demo", "--samples", "0"], "expected a positive integer, got '0'"),
         (["demo", "--device", "tpu"], "invalid choice: 'tpu'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["bench", "--suites", "bench_nope"], "invalid choice: 'bench_nope'"),
+        (["bench", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["bench", "--timeout", "-3"], "expected a positive integer, got '-3'"),
+        (["bench", "--out", __file__], "exists and is not a folder"),
     ],
 )
 def test_bad_options_exit_nonzero(argv, message, capsys) -> None:
@@ -58,3 +62,68 @@ def test_module_entry_point() -> None:
         check=True,
     )
     assert "demo" in out.stdout
+
+
+def test_bench_help_and_suites(capsys) -> None:
+    from multiscale_jac import _bench, cli
+
+    assert tuple(_bench.SUITES) == cli._SUITES
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for word in ("--quick", "--device", "--out", "--suites", "report.md", "results.json"):
+        assert word in out
+
+
+def test_bench_without_scripts_says_where(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setenv("MULTISCALE_JAC_BENCHMARKS", str(tmp_path))
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--quick", "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert "no benchmark scripts" in capsys.readouterr().err
+
+
+def test_bench_report_from_suite_json(tmp_path) -> None:
+    """The report reads every method record, whatever the nesting of a suite's JSON."""
+    import json
+
+    from multiscale_jac._bench import collect, environment, render_report
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    record = {"seconds": 0.5, "ratio_to_train_step": 2.0, "peak_memory_bytes": 3 * 2**20}
+    (raw / "bench_fisher.json").write_text(
+        json.dumps({"env": {}, "workloads": {"vgg-n8": {"methods": {"library": record}}}})
+    )
+    (raw / "bench_laplace.json").write_text(
+        json.dumps({"cells": [{"method": "library", "B": 32, "k": 100, **record}]})
+    )
+    rows = collect(raw, ["bench_fisher", "bench_laplace"])
+    assert [(r["suite"], r["workload"], r["method"]) for r in rows] == [
+        ("bench_fisher", "vgg-n8", "library"),
+        ("bench_laplace", "B=32 k=100", "library"),
+    ]
+    results = {"environment": environment("cpu"), "quick": True, "runs": [], "rows": rows}
+    report = render_report(results, {})
+    assert "## bench_laplace" in report and "| B=32 k=100 | library | 0.5 | 2 | 3 |" in report
+
+
+def test_bench_from_existing_results(tmp_path) -> None:
+    import json
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    record = {"seconds": 1.0, "ratio_to_train_step": 3.0, "peak_memory_bytes": 2**20}
+    (raw / "bench_jacnorm.json").write_text(
+        json.dumps({"workloads": {"w": {"methods": {"m": record}}}})
+    )
+    (raw / "bench_jacnorm_quick.json").write_text(
+        json.dumps({"cells": [{"method": "q", **record}]})
+    )
+    out = tmp_path / "report"
+    assert main(["bench", "--from", str(raw), "--out", str(out), "--suites", "bench_jacnorm"]) == 0
+    report = (out / "report.md").read_text()
+    assert "| w | m | 1 | 3 | 1 |" in report and "| q |" not in report  # full runs only
+    results = json.loads((out / "results.json").read_text())
+    assert results["environment"]["torch"] and len(results["rows"]) == 1

@@ -379,6 +379,20 @@ def test_bad_arguments(kwargs, err, match) -> None:
         mj.SubnetLaplace(model, args.pop("likelihood"), args.pop("subset"), **args)
 
 
+def test_setting_prior_precision_refreshes_the_posterior() -> None:
+    model, subset, data, *_ = setup("mlp_vectors", "classification")
+    la = mj.SubnetLaplace(model, "classification", subset).fit(data, progress=False)
+    x = data[0][0]
+    before = la.predictive(x).variance
+    la.prior_precision = 50.0
+    fresh = mj.SubnetLaplace(model, "classification", subset, prior_precision=50.0)
+    fresh.fit(data, progress=False)
+    torch.testing.assert_close(la.predictive(x).variance, fresh.predictive(x).variance)
+    assert not torch.allclose(before, fresh.predictive(x).variance)
+    with pytest.raises(ValueError, match="prior_precision must be positive"):
+        la.prior_precision = 0.0
+
+
 def test_bad_use() -> None:
     model = zoo_model("mlp_vectors")
     la = mj.SubnetLaplace(model, "classification", "net.2.*")
