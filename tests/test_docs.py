@@ -46,3 +46,11 @@ def test_docs_page_blocks_run_and_print_what_they_say(page: str, capsys) -> None
         assert printed[-len(expected) :] if expected else True
         for want, got in zip(expected, printed[-len(expected) :] if expected else []):
             assert got == want, (k, want, got)
+
+
+def test_subnet_laplace_example_writes_its_picture(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    module = runpy.run_path(str(ROOT / "examples" / "subnet_laplace_segmentation.py"))
+    out = tmp_path / "seg.png"
+    module["main"](["--quick", "--out", str(out)])
+    assert out.is_file() and out.stat().st_size > 1000
