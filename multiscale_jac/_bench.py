@@ -52,6 +52,12 @@ QUICK_ARGS: dict[str, list[str]] = {
     "bench_jacobian": ["--workloads", "fpn", "--repeats", "1"],
     "bench_multires": ["--repeats", "1"],
     "bench_subset": ["--workloads", "a", "b-k100-o10"],
+    "bench_fisher": [
+        *("--repeats", "1", "--methods", "train_step", "loop", "jacobian_vectorize"),
+        *("vmap_grad", "backpack", "library"),
+    ],
+    "bench_jacnorm": ["--repeats", "1"],
+    "bench_laplace": ["--repeats", "1"],
 }
 
 
