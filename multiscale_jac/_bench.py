@@ -56,7 +56,7 @@ QUICK_ARGS: dict[str, list[str]] = {
         *("--repeats", "1", "--methods", "train_step", "loop", "jacobian_vectorize"),
         *("vmap_grad", "backpack", "library"),
     ],
-    "bench_jacnorm": ["--repeats", "1"],
+    "bench_jacnorm": ["--repeats", "1", "--models", "cnn3"],
     "bench_laplace": ["--repeats", "1"],
 }
 
