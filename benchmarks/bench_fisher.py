@@ -497,7 +497,7 @@ def run_grid(
         entry: dict[str, Any] = {**meta, "methods": {}}
         results["workloads"][key] = entry
         for method in methods:
-            _log(f"{key} / {method} ...")
+            log(f"{key} / {method} ...")
             rec = run_worker(
                 [str(script), "--worker", *worker_args, method, *passthrough], timeout_s=timeout_s
             )
@@ -509,7 +509,7 @@ def run_grid(
             if rec.get("peak_memory_bytes") is not None and base:
                 rec["memory_ratio_to_train_step"] = rec["peak_memory_bytes"] / base
             entry["methods"][method] = rec
-            _log(f"  {_summary(rec)}")
+            log(f"  {_summary(rec)}")
             write_json(out_path, results)
 
 
@@ -585,7 +585,8 @@ def check_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
+    """Progress to stderr (stdout carries the workers' JSON)."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -662,13 +663,13 @@ def check(args: argparse.Namespace) -> int:
             except Skip as e:
                 row["result"] = f"skipped: {e}"
                 rows.append(row)
-                _log(f"{model_name} / {method}: {row['result']}")
+                log(f"{model_name} / {method}: {row['result']}")
                 continue
             except Exception as e:
                 failed = True
                 row["result"] = f"ERROR: {type(e).__name__}: {e}"[:500]
                 rows.append(row)
-                _log(f"{model_name} / {method}: {row['result']}")
+                log(f"{model_name} / {method}: {row['result']}")
                 continue
             row["max_abs_diff"], row["rel_diff"] = rel_diff(got, ref)
             ok = row["rel_diff"] <= args.check_tol
@@ -677,7 +678,7 @@ def check(args: argparse.Namespace) -> int:
             if info:
                 row["info"] = info
             rows.append(row)
-            _log(f"{model_name} / {method}: rel diff {row['rel_diff']:.2e} {row['result']}")
+            log(f"{model_name} / {method}: rel diff {row['rel_diff']:.2e} {row['result']}")
     out_dir = Path(args.out) if args.out else DEFAULT_OUT
     out_path = write_json(
         out_dir / "bench_fisher_check.json",

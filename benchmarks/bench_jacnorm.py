@@ -70,6 +70,7 @@ from bench_fisher import (
     check_table,
     grid_table,
     guarded,
+    log,
     measure_cell,
     rel_diff,
     run_grid,
@@ -306,7 +307,7 @@ def check(args: argparse.Namespace) -> int:
     for model_name in models:
         wl = Workload(model_name, args.check_n, args.seed)
         counts[model_name] = wl.numel
-        _log(f"{model_name}: {wl.numel} parameters")
+        log(f"{model_name}: {wl.numel} parameters")
         ref = _loop(wl, ALL)
         for method in METHODS:
             if method in ("train_step", "loop"):
@@ -321,7 +322,7 @@ def check(args: argparse.Namespace) -> int:
                 failed = True
                 row["result"] = f"ERROR: {type(e).__name__}: {e}"[:500]
                 rows.append(row)
-                _log(f"{model_name} / {method}: {row['result']}")
+                log(f"{model_name} / {method}: {row['result']}")
                 continue
             row["max_abs_diff"], row["rel_diff"] = rel_diff(got, ref)
             ok = row["rel_diff"] <= args.check_tol
@@ -330,7 +331,7 @@ def check(args: argparse.Namespace) -> int:
             if info:
                 row["info"] = info
             rows.append(row)
-            _log(f"{model_name} / {method}: rel diff {row['rel_diff']:.2e} {row['result']}")
+            log(f"{model_name} / {method}: rel diff {row['rel_diff']:.2e} {row['result']}")
     out_dir = Path(args.out) if args.out else DEFAULT_OUT
     out_path = write_json(
         out_dir / "bench_jacnorm_check.json",
@@ -408,10 +409,6 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     if args.threads:
         out += ["--threads", str(args.threads)]
     return out
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -42,12 +42,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import importlib.util
 import json
 import sys
-import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,12 +57,10 @@ from _common import (
     fmt_bytes,
     fmt_seconds,
     markdown_table,
-    measure_peak_memory,
-    median,
     run_worker,
-    timed_call,
     write_json,
 )
+from bench_fisher import ALL, WARM_SAMPLES, guarded, log, measure_cell, rel_diff
 from torch import Tensor, nn
 
 SIZES = (8, 32, 128)
@@ -75,9 +70,6 @@ QUICK_SUBSETS = (10, 100)
 METHODS = ("train_step", "library", "laplace_torch")
 SELECTIONS = ("magnitude", "random")
 NUM_CLASSES = 10
-TRAIN_STEP_REPEATS = 5
-WARM_SAMPLES = slice(0, 2)
-ALL = slice(None)
 SCRIPT = Path(__file__).resolve()
 DEFAULT_OUT = SCRIPT.parent / "results"
 ACCEPT_B, ACCEPT_K, ACCEPT_BYTES = 32, 100, 200 * 2**20
@@ -177,13 +169,6 @@ def reference_ggn(wl: Workload, samples: slice) -> Tensor:
     return h
 
 
-def rel_diff(a: Tensor, ref: Tensor) -> tuple[float, float]:
-    """``(max |a - ref|, max |a - ref| / max |ref|)``."""
-    diff = float((a.double() - ref.double()).abs().max())
-    scale = float(ref.double().abs().max())
-    return diff, diff / scale if scale > 0 else diff
-
-
 # ---------------------------------------------------------------------- methods
 def _prepare_library(wl: Workload) -> Callable[[slice], Tensor]:
     import multiscale_jac as mj
@@ -242,49 +227,6 @@ def prepare(wl: Workload, method: str, info: dict[str, Any]) -> Callable[[slice]
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def measure_cell(
-    run: Callable[[slice], Any],
-    train_step: Callable[[slice], Any] | None,
-    *,
-    repeats: int,
-    warm_limit_s: float,
-) -> dict[str, Any]:
-    """Warm-up on two samples, one measured run on the batch, repeats, then the training step
-    (``None`` when ``run`` is the training step)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        run(WARM_SAMPLES)
-        gc.collect()
-        mem = measure_peak_memory(lambda: run(ALL), "cpu")
-        cold = mem["seconds_in_worker"]
-        n_rep = max(repeats, TRAIN_STEP_REPEATS) if train_step is None else repeats
-        times = []
-        if cold < warm_limit_s:
-            times = [timed_call(lambda: run(ALL), "cpu")[0] for _ in range(n_rep)]
-        seconds = median(times) if times else cold
-        if train_step is None:
-            steps = times or [cold]
-        else:
-            train_step(ALL)
-            steps = [timed_call(lambda: train_step(ALL), "cpu")[0] for _ in range(5)]
-    step_seconds = median(steps)
-    return {
-        "seconds": seconds,
-        "cold_seconds": cold,
-        "runs": times,
-        "timing": (
-            f"median of {len(times)} runs after a warm-up"
-            if times
-            else f"single run (>= {warm_limit_s:g} s), no repeats"
-        ),
-        "train_step_seconds": step_seconds,
-        "train_step_runs": steps,
-        "ratio_to_train_step": seconds / step_seconds,
-        "peak_memory_bytes": mem["peak_memory_bytes"],
-        "memory": mem,
-    }
-
-
 # ---------------------------------------------------------------------- worker
 def worker(args: argparse.Namespace) -> int:
     method, b, k = args.worker[0], int(args.worker[1]), int(args.worker[2])
@@ -312,23 +254,7 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def guarded(args: argparse.Namespace) -> int:
-    """The worker; an exception becomes a one-line ``{"error": ...}`` record."""
-    try:
-        return worker(args)
-    except Exception as e:
-        traceback.print_exc()
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        msg = f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})"
-        print(json.dumps({"error": msg[:1000]}))
-        return 0
-
-
 # ---------------------------------------------------------------------- main
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _summary(rec: dict[str, Any]) -> str:
     if "seconds" not in rec:
         return str(rec.get("skipped") or rec.get("error"))
@@ -458,7 +384,7 @@ def main(args: argparse.Namespace) -> int:
         for method in methods:
             for k in [None] if method == "train_step" else subsets:
                 cell: dict[str, Any] = {"method": method, "B": b, "k": k}
-                _log(f"B={b} k={k} / {method} ...")
+                log(f"B={b} k={k} / {method} ...")
                 if method == "laplace_torch" and not have_laplace:
                     cell["skipped"] = "not available: laplace-torch is not importable here"
                     if (b, k) == (ISSUE_FIGURE["B"], ISSUE_FIGURE["k"]):
@@ -478,7 +404,7 @@ def main(args: argparse.Namespace) -> int:
                 elif cell.get("peak_memory_bytes") is not None and step_peak:
                     cell["memory_ratio_to_train_step"] = cell["peak_memory_bytes"] / step_peak
                 cells.append(cell)
-                _log(f"  {_summary(cell)}")
+                log(f"  {_summary(cell)}")
                 write_json(out_path, results)
     results["acceptance"] = acceptance(cells)
     write_json(out_path, results)
@@ -517,5 +443,5 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse()
     if args.worker:
-        sys.exit(guarded(args))
+        sys.exit(guarded(worker, args))
     sys.exit(main(args))

@@ -348,10 +348,11 @@ class SubnetLaplace:
         self._chol = None
 
     def _factor(self, sigma: Tensor | float) -> Tensor | float:
-        power = 4 if (self.hessian is HessianKind.EMPIRICAL) else 2
-        if self.likelihood is Likelihood.CLASSIFICATION:
-            power = 2
-        return 1.0 / (sigma**power * self.temperature)
+        """``1 / (sigma^s T)``: ``s = 4`` for a regression's empirical Fisher, else 2."""
+        empirical_regression = (
+            self.hessian is HessianKind.EMPIRICAL and self.likelihood is Likelihood.REGRESSION
+        )
+        return 1.0 / (sigma ** (4 if empirical_regression else 2) * self.temperature)
 
     def posterior_precision_matrix(
         self, prior_precision: Any = None, sigma_noise: Any = None

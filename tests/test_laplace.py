@@ -9,19 +9,11 @@ import pytest
 import torch
 from cases import DTYPE
 from conftest import CASE_BY_ID, zoo_model, zoo_reference
-from test_fisher import as_model_input, batches, make_targets, samples_of
+from test_fisher import CASES, as_model_input, batches, make_targets, samples_of
 
 import multiscale_jac as mj
 
 TOL = 1e-10
-
-CASES = [
-    ("mlp_vectors", "classification"),
-    ("bn_cnn_multicrop", "classification"),
-    ("dense_per_pixel", "classification"),
-    ("seed_convblock_levels", "regression"),
-    ("fpn_ragged", "regression"),
-]
 
 
 def setup(case_id: str, likelihood: str, subset_kind: str = "elements"):
