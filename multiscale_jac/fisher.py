@@ -212,12 +212,7 @@ def diag_fisher(
     total: dict[str, Tensor] = {}
     count = 0
     for batch in _progress(reducer.shard(data), progress):
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError(
-                f"data must yield (inputs, targets) pairs; got a {type(batch).__name__}"
-                + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-            )
-        inputs, targets = batch
+        inputs, targets = _pair(batch)
         packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
         per_sample = _split_targets(targets, packed.num_samples)
         fn = PerSampleFunction(
@@ -343,6 +338,16 @@ def _progress(data: Iterable, enabled: bool) -> Iterable:
     except ImportError:
         return data
     return tqdm(data, desc="diag_fisher", leave=False)
+
+
+def _pair(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of one batch of a data iterable."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(
+            f"data must yield (inputs, targets) pairs; got a {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+    return batch[0], batch[1]
 
 
 def _split_targets(targets: Any, n: int) -> list[Tensor]:

@@ -48,9 +48,17 @@ from ._distributed import Reducer
 from .adapter import PerSampleFunction
 from .engine import per_sample_jacobian
 from .enums import BatchNormPolicy, Entries, Randomness, _StrEnum, parse_enum
-from .fisher import Likelihood, _Capture, _progress, _raw_output, _split_targets, _subbatch
+from .fisher import (
+    Likelihood,
+    _Capture,
+    _pair,
+    _progress,
+    _raw_output,
+    _split_targets,
+    _subbatch,
+)
 from .packing import PackedBatch, pack
-from .subset import ParamSubset
+from .subset import ParamSubset, resolve_subset
 
 __all__ = [
     "GLMPredictive",
@@ -177,8 +185,6 @@ class SubnetLaplace:
         batch_norm: str | BatchNormPolicy = "error",
         entries: str | Entries = "auto",
     ) -> None:
-        from .subset import resolve_subset
-
         self.model = check_model(model)
         self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
         self.subset = resolve_subset(subset, model)
@@ -245,11 +251,7 @@ class SubnetLaplace:
         self.loss, self.n_outputs = 0.0, 0
         seen = 0
         for batch in _progress(reducer.shard(data), progress):
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise ValueError(
-                    f"data must yield (inputs, targets) pairs; got a {type(batch).__name__}"
-                )
-            inputs, targets = batch
+            inputs, targets = _pair(batch)
             packed = self._pack(inputs)
             per_sample = [t.to(self.mean.device) for t in _split_targets(targets, len(packed))]
             pending: Tensor | None = None  # empirical: a sample's gradient, over its blocks
