@@ -21,18 +21,26 @@ from .engine import per_sample_jacobian
 from .enums import (
     BatchNormPolicy,
     Entries,
+    Estimator,
     FallbackWarning,
+    FisherKind,
+    FisherMethod,
+    HessianKind,
     InputKind,
+    JacNormMethod,
     Layout,
+    Likelihood,
+    LinkApprox,
     Mode,
+    PriorStructure,
     Randomness,
     Strategy,
+    UnsupportedOpError,
 )
-from .fisher import DiagFisherResult, FisherKind, FisherMethod, Likelihood, diag_fisher
-from .jacnorm import Estimator, JacNormMethod, jacobian_sq_norm, jacobian_sq_norm_backward
-from .laplace import GLMPredictive, HessianKind, LinkApprox, PriorStructure, SubnetLaplace
+from .fisher import DiagFisherResult, diag_fisher
+from .jacnorm import jacobian_sq_norm, jacobian_sq_norm_backward
+from .laplace import GLMPredictive, SubnetLaplace
 from .levels import LevelOutputs, map_levels
-from .masked import UnsupportedOpError
 from .packing import Bucket, PackedBatch, Signature, pack
 from .result import JacobianResult
 from .subset import ParamSubset

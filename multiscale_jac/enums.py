@@ -1,4 +1,4 @@
-"""String enums for every option set, and the warning category for fallbacks.
+"""String enums for every option set, the fallback warning and the unsupported-op error.
 
 Every option that takes one of a fixed set of strings has an enum here. The enums subclass
 ``str``, so ``Strategy.VMAP == "vmap"`` and users may pass either form. Unknown strings raise a
@@ -13,12 +13,22 @@ from typing import TypeVar
 __all__ = [
     "BatchNormPolicy",
     "Entries",
+    "Estimator",
     "FallbackWarning",
+    "FisherKind",
+    "FisherMethod",
+    "HessianKind",
     "InputKind",
+    "JacNormMethod",
+    "LayerRule",
     "Layout",
+    "Likelihood",
+    "LinkApprox",
     "Mode",
+    "PriorStructure",
     "Randomness",
     "Strategy",
+    "UnsupportedOpError",
     "parse_enum",
 ]
 
@@ -114,8 +124,115 @@ class InputKind(_StrEnum):
     SAMPLES = "samples"
 
 
+class Likelihood(_StrEnum):
+    """``classification`` (softmax categorical over dim 1 of the output) or ``regression``
+    (Gaussian with ``sigma_noise``)."""
+
+    CLASSIFICATION = "classification"
+    REGRESSION = "regression"
+
+
+class FisherKind(_StrEnum):
+    """``empirical``, ``mc`` or ``exact`` (see the module docstring)."""
+
+    EMPIRICAL = "empirical"
+    MC = "mc"
+    EXACT = "exact"
+
+
+class FisherMethod(_StrEnum):
+    """How per-sample terms are formed.
+
+    * ``auto``: ``layerwise`` for the tensors with a per-layer closed form, ``vmap`` for the
+      rest; a failure of the layer-wise run (a model that mixes samples in a batch, a parameter
+      read outside its layer) falls back to ``vmap`` with a :class:`FallbackWarning`.
+    * ``layerwise``: every selected tensor by its closed form (:mod:`~multiscale_jac.layerwise`);
+      raises if one has none.
+    * ``vmap``: ``torch.func.vmap(grad)`` per shape bucket (``exact``: per-sample Jacobians).
+    """
+
+    AUTO = "auto"
+    LAYERWISE = "layerwise"
+    VMAP = "vmap"
+
+
+class JacNormMethod(_StrEnum):
+    """How ``S`` and its gradient are computed.
+
+    * ``auto``: ``layerwise`` when every selected tensor has a per-layer closed form and the
+      model does not mix samples in a batch (checked), else ``hvp``.
+    * ``layerwise``: one batched forward per chunk, one data-only backward per output row (or
+      probe) with ``create_graph``, per-sample layer gradients squared in closed form
+      (:mod:`~multiscale_jac.layerwise`), then one backward of the chunk's ``S``.
+    * ``hvp``: per sample and output row, ``grad`` then a forward-over-reverse Hessian-vector
+      product (``jvp`` of ``grad``), vectorised with ``vmap``; any model.
+    """
+
+    AUTO = "auto"
+    LAYERWISE = "layerwise"
+    HVP = "hvp"
+
+
+class Estimator(_StrEnum):
+    """``exact`` (every output row) or ``hutchinson`` (random output-space probes)."""
+
+    EXACT = "exact"
+    HUTCHINSON = "hutchinson"
+
+
+class HessianKind(_StrEnum):
+    """``ggn`` (``J^T Lambda J``) or ``empirical`` (sum of outer products of the per-sample
+    gradients of the negative log-likelihood at the training labels)."""
+
+    GGN = "ggn"
+    EMPIRICAL = "empirical"
+
+
+class LinkApprox(_StrEnum):
+    """How class probabilities are read off the Gaussian over logits.
+
+    * ``probit``: ``softmax(f / sqrt(1 + pi/8 var))`` per position (marginal variances only).
+    * ``mc``: mean of ``softmax`` over ``n_samples`` exact joint samples ``f + J L^{-T} z``.
+    * ``bridge``: the Laplace bridge (Hobbhahn et al. 2022) on the per-position ``C x C``
+      covariance, with laplace-torch's zero-mean correction.
+    """
+
+    PROBIT = "probit"
+    MC = "mc"
+    BRIDGE = "bridge"
+
+
+class PriorStructure(_StrEnum):
+    """``scalar`` (one precision) or ``tensor`` (one per selected parameter tensor)."""
+
+    SCALAR = "scalar"
+    TENSOR = "tensor"
+
+
+class LayerRule(_StrEnum):
+    """How a tensor's sum of squared per-sample gradients is computed (see module docstring)."""
+
+    GRAM = "gram"
+    PER_SAMPLE = "per_sample"
+    NORM_AFFINE = "norm_affine"
+    VMAP = "vmap"
+
+
 class FallbackWarning(UserWarning):
     """Emitted when the engine runs a different strategy than the one requested."""
+
+
+class UnsupportedOpError(ValueError):
+    """An op that has no exact rule on padded inputs (the engine falls back; see docs)."""
+
+    def __init__(
+        self, op: str, module: str | None, reason: str, *, context: str = "padded execution"
+    ) -> None:
+        self.op = op
+        self.module = module
+        self.reason = reason
+        where = f" in module {module!r}" if module else ""
+        super().__init__(f"{context}: {op}{where}: {reason}")
 
 
 _E = TypeVar("_E", bound=_StrEnum)

@@ -43,7 +43,16 @@ from ._checks import (
 from ._distributed import Reducer
 from .adapter import PerSampleFunction
 from .engine import per_sample_jacobian
-from .enums import BatchNormPolicy, FallbackWarning, InputKind, Randomness, _StrEnum, parse_enum
+from .enums import (
+    BatchNormPolicy,
+    FallbackWarning,
+    FisherKind,
+    FisherMethod,
+    InputKind,
+    Likelihood,
+    Randomness,
+    parse_enum,
+)
 from .layerwise import (
     DEFAULT_TEMP_BYTES,
     LayerRule,
@@ -56,39 +65,7 @@ from .layerwise import (
 from .packing import PackedBatch, pack
 from .subset import ParamSubset, resolve_subset
 
-__all__ = ["DiagFisherResult", "FisherKind", "FisherMethod", "Likelihood", "diag_fisher"]
-
-
-class Likelihood(_StrEnum):
-    """``classification`` (softmax categorical over dim 1 of the output) or ``regression``
-    (Gaussian with ``sigma_noise``)."""
-
-    CLASSIFICATION = "classification"
-    REGRESSION = "regression"
-
-
-class FisherKind(_StrEnum):
-    """``empirical``, ``mc`` or ``exact`` (see the module docstring)."""
-
-    EMPIRICAL = "empirical"
-    MC = "mc"
-    EXACT = "exact"
-
-
-class FisherMethod(_StrEnum):
-    """How per-sample terms are formed.
-
-    * ``auto``: ``layerwise`` for the tensors with a per-layer closed form, ``vmap`` for the
-      rest; a failure of the layer-wise run (a model that mixes samples in a batch, a parameter
-      read outside its layer) falls back to ``vmap`` with a :class:`FallbackWarning`.
-    * ``layerwise``: every selected tensor by its closed form (:mod:`~multiscale_jac.layerwise`);
-      raises if one has none.
-    * ``vmap``: ``torch.func.vmap(grad)`` per shape bucket (``exact``: per-sample Jacobians).
-    """
-
-    AUTO = "auto"
-    LAYERWISE = "layerwise"
-    VMAP = "vmap"
+__all__ = ["DiagFisherResult", "diag_fisher"]
 
 
 @dataclass(frozen=True)

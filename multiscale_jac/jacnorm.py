@@ -38,39 +38,22 @@ from ._checks import (
 )
 from ._distributed import Reducer
 from .adapter import PerSampleFunction
-from .enums import BatchNormPolicy, FallbackWarning, Randomness, _StrEnum, parse_enum
+from .enums import (
+    BatchNormPolicy,
+    Estimator,
+    FallbackWarning,
+    JacNormMethod,
+    Randomness,
+    parse_enum,
+)
 from .layerwise import LayerwisePlan, NotLayerwiseError, batched_run, plan_layers
 from .packing import PackedBatch, pack
 from .subset import ParamSubset, resolve_subset
 
-__all__ = ["Estimator", "JacNormMethod", "jacobian_sq_norm", "jacobian_sq_norm_backward"]
+__all__ = ["jacobian_sq_norm", "jacobian_sq_norm_backward"]
 
 #: per-sample gradients a layer-wise chunk keeps in its graph, at most (default chunk size)
 _LAYERWISE_BYTES = 16 * 2**20
-
-
-class JacNormMethod(_StrEnum):
-    """How ``S`` and its gradient are computed.
-
-    * ``auto``: ``layerwise`` when every selected tensor has a per-layer closed form and the
-      model does not mix samples in a batch (checked), else ``hvp``.
-    * ``layerwise``: one batched forward per chunk, one data-only backward per output row (or
-      probe) with ``create_graph``, per-sample layer gradients squared in closed form
-      (:mod:`~multiscale_jac.layerwise`), then one backward of the chunk's ``S``.
-    * ``hvp``: per sample and output row, ``grad`` then a forward-over-reverse Hessian-vector
-      product (``jvp`` of ``grad``), vectorised with ``vmap``; any model.
-    """
-
-    AUTO = "auto"
-    LAYERWISE = "layerwise"
-    HVP = "hvp"
-
-
-class Estimator(_StrEnum):
-    """``exact`` (every output row) or ``hutchinson`` (random output-space probes)."""
-
-    EXACT = "exact"
-    HUTCHINSON = "hutchinson"
 
 
 def jacobian_sq_norm(

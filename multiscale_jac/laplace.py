@@ -47,9 +47,17 @@ from ._checks import (
 from ._distributed import Reducer
 from .adapter import PerSampleFunction
 from .engine import per_sample_jacobian
-from .enums import BatchNormPolicy, Entries, Randomness, _StrEnum, parse_enum
-from .fisher import (
+from .enums import (
+    BatchNormPolicy,
+    Entries,
+    HessianKind,
     Likelihood,
+    LinkApprox,
+    PriorStructure,
+    Randomness,
+    parse_enum,
+)
+from .fisher import (
     _Capture,
     _pair,
     _progress,
@@ -62,9 +70,6 @@ from .subset import ParamSubset, resolve_subset
 
 __all__ = [
     "GLMPredictive",
-    "HessianKind",
-    "LinkApprox",
-    "PriorStructure",
     "SubnetLaplace",
 ]
 
@@ -84,35 +89,6 @@ class _Block(NamedTuple):
 
 #: default bytes for the Jacobian rows held at once (per chunk of samples or output positions)
 DEFAULT_JACOBIAN_BYTES = 32 * 2**20
-
-
-class HessianKind(_StrEnum):
-    """``ggn`` (``J^T Lambda J``) or ``empirical`` (sum of outer products of the per-sample
-    gradients of the negative log-likelihood at the training labels)."""
-
-    GGN = "ggn"
-    EMPIRICAL = "empirical"
-
-
-class LinkApprox(_StrEnum):
-    """How class probabilities are read off the Gaussian over logits.
-
-    * ``probit``: ``softmax(f / sqrt(1 + pi/8 var))`` per position (marginal variances only).
-    * ``mc``: mean of ``softmax`` over ``n_samples`` exact joint samples ``f + J L^{-T} z``.
-    * ``bridge``: the Laplace bridge (Hobbhahn et al. 2022) on the per-position ``C x C``
-      covariance, with laplace-torch's zero-mean correction.
-    """
-
-    PROBIT = "probit"
-    MC = "mc"
-    BRIDGE = "bridge"
-
-
-class PriorStructure(_StrEnum):
-    """``scalar`` (one precision) or ``tensor`` (one per selected parameter tensor)."""
-
-    SCALAR = "scalar"
-    TENSOR = "tensor"
 
 
 @dataclass(frozen=True)

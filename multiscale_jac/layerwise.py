@@ -48,14 +48,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from .adapter import PerSampleFunction
-from .enums import _StrEnum
+from .enums import LayerRule
 from .structured import numeric_padding
 from .subset import ParamSubset
 
 __all__ = [
     "COST_PER_ENTRY",
     "DEFAULT_TEMP_BYTES",
-    "LayerRule",
     "LayerwisePlan",
     "LayerwiseRun",
     "NotLayerwiseError",
@@ -75,15 +74,6 @@ CACHE_BYTES = 2 * 2**20
 _CONV = (nn.Conv1d, nn.Conv2d)
 _NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm)
 _SUPPORTED = (nn.Linear, *_CONV, *_NORMS)
-
-
-class LayerRule(_StrEnum):
-    """How a tensor's sum of squared per-sample gradients is computed (see module docstring)."""
-
-    GRAM = "gram"
-    PER_SAMPLE = "per_sample"
-    NORM_AFFINE = "norm_affine"
-    VMAP = "vmap"
 
 
 class NotLayerwiseError(RuntimeError):

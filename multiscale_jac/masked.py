@@ -33,20 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MaskedMode", "Region", "UnsupportedOpError", "SUPPORTED_OPS"]
+from .enums import UnsupportedOpError
 
-
-class UnsupportedOpError(ValueError):
-    """An op that has no exact rule on padded inputs (the engine falls back; see docs)."""
-
-    def __init__(
-        self, op: str, module: str | None, reason: str, *, context: str = "padded execution"
-    ) -> None:
-        self.op = op
-        self.module = module
-        self.reason = reason
-        where = f" in module {module!r}" if module else ""
-        super().__init__(f"{context}: {op}{where}: {reason}")
+__all__ = ["MaskedMode", "Region", "SUPPORTED_OPS", "UnsupportedOpError"]
 
 
 # ---------------------------------------------------------------------- regions
