@@ -1,4 +1,4 @@
-"""Benchmark W1: the diagonal empirical Fisher (EWC, seed thread 1) on CIFAR-sized CNNs.
+"""Benchmark: the diagonal empirical Fisher (EWC) on CIFAR-sized CNNs.
 
 Target: ``F = 1/N sum_i (grad_theta log p(y_i | x_i))^2`` over every parameter, as a flat
 ``(P,)`` vector in ``named_parameters`` order; float32 on CPU.
@@ -18,7 +18,7 @@ Methods (each returns the flat ``(P,)`` diagonal)
     train_step          the reference, not a Fisher: forward, CrossEntropy (sum), backward, SGD
                         step, zero_grad, on a copy of the model in train mode
     loop                one ``autograd.grad`` per sample, squared and summed
-    jacobian_vectorize  the seed thread's ``_update_fisher_params``:
+    jacobian_vectorize  the EWC code users write today (``_update_fisher_params``):
                         ``torch.autograd.functional.jacobian(f, params, vectorize=True)`` with
                         ``f(*params)`` the ``(N,)`` log-likelihoods via ``functional_call``; not
                         run when its estimated memory exceeds ``--max-gb``
@@ -267,7 +267,7 @@ def _loop(wl: Workload, samples: slice) -> Tensor:
 
 
 def _jacobian_vectorize(wl: Workload, samples: slice) -> Tensor:
-    """The seed thread: the Jacobian of the (N,) log-likelihoods w.r.t. every parameter."""
+    """Today's EWC code: the Jacobian of the (N,) log-likelihoods w.r.t. every parameter."""
     names, params_actual = zip(*wl.model.named_parameters())
     x, y = wl.x[samples], wl.y[samples]
 
@@ -703,7 +703,7 @@ def main(args: argparse.Namespace) -> int:
     sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
     results: dict[str, Any] = {
         "benchmark": "bench_fisher",
-        "workload": "W1: diagonal empirical Fisher over all parameters, classification",
+        "workload": "diagonal empirical Fisher over all parameters, classification",
         "env": env_stamp("cpu"),
         "config": {
             "quick": args.quick,

@@ -18,8 +18,8 @@ Methods (each returns the flat ``(P,)`` gradient of ``S``)
                       ``autograd.grad`` of that (double backward; the plain-PyTorch baseline
                       and the reference of ``diff`` and ``--check``)
     jacrev_full       ``torch.func.grad`` of ``p -> (jacrev(f)(p) ** 2).sum()`` with ``f`` the
-                      ``(n,)`` outputs of the batch (the full ``n x P`` Jacobian, what the seed
-                      thread does in JAX); not run when its estimated memory exceeds ``--max-gb``
+                      ``(n,)`` outputs of the batch (the full ``n x P`` Jacobian, what users
+                      write in JAX); not run when its estimated memory exceeds ``--max-gb``
     vmap_grad_chunks  16 samples a chunk: ``torch.func.grad`` of
                       ``p -> (vmap(grad(f_single), in_dims=(None, 0))(p, x_chunk) ** 2).sum()``
     fwd_over_rev      16 samples a chunk: ``g_i = vmap(grad(f_single))``, then
@@ -358,7 +358,7 @@ def main(args: argparse.Namespace) -> int:
     sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
     results: dict[str, Any] = {
         "benchmark": "bench_jacnorm",
-        "workload": "W2: grad of S = sum_i ||d f(x_i)/d theta||^2, scalar output, all parameters",
+        "workload": "grad of S = sum_i ||d f(x_i)/d theta||^2, scalar output, all parameters",
         "env": env_stamp("cpu"),
         "config": {
             "quick": args.quick,

@@ -1,7 +1,7 @@
-"""Benchmark: Jacobians w.r.t. a few single weight entries (subnetwork Laplace, seed thread 3).
+"""Benchmark: Jacobians w.r.t. a few single weight entries (subnetwork Laplace).
 
 Workloads
-    a          The seed's ConvBlock exactly as in the issue: ``ConvBlock(in_ch=32, out_ch=8)``,
+    a          The multi-scale ConvBlock as users write it: ``ConvBlock(in_ch=32, out_ch=8)``,
                levels 24x24 and 14x14, batch 16, O=3104, k=500 entries (167/167/166 random flat
                indices of the three conv weights; the same workload as ``bench_jacobian``).
     b-k{K}-o{O}  ``FPNLike``: an FPN-style network with ~1M parameters (laterals, top-down

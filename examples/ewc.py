@@ -1,4 +1,4 @@
-"""EWC with ``diag_fisher``: the drop-in replacement for the first seed thread's
+"""EWC with ``diag_fisher``: a drop-in replacement for the usual EWC
 ``_update_fisher_params`` (same buffers), on two synthetic tasks.
 
 Task A and task B are 3-class problems on the same 20-d inputs with different labelling rules
@@ -28,7 +28,7 @@ def batches(x: torch.Tensor, y: torch.Tensor, size: int = 100):
 
 
 def update_fisher_params(model: nn.Module, dataloader) -> None:
-    """What the seed thread's ``_update_fisher_params`` registers, via ``diag_fisher``: per
+    """What the usual ``_update_fisher_params`` registers, via ``diag_fisher``: per
     parameter the mean of squared per-sample gradients of log p(y|x) (not the square of the
     mean), and the parameter values (``_estimated_mean``), as buffers."""
     fisher = mj.diag_fisher(model, dataloader, kind="empirical", progress=False).as_dict()

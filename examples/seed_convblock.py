@@ -1,5 +1,5 @@
-"""The third seed thread, end to end: a conv block over a list of feature maps, per-sample
-Jacobians w.r.t. selected single weights, with and without an output reduction.
+"""A conv block over a list of feature maps, end to end: per-sample Jacobians w.r.t. selected
+single weights, with and without an output reduction.
 
 Run: python examples/seed_convblock.py
 """
@@ -11,15 +11,15 @@ import time
 import torch
 
 import multiscale_jac as mj
-from multiscale_jac.models import ConvBlock  # the thread's model, as its user wrote it
+from multiscale_jac.models import ConvBlock  # a user's model, unchanged
 
 torch.manual_seed(0)
 model = ConvBlock(in_ch=8, out_ch=8).eval()
 
-# 1. uniform levels: a list of batched tensors, exactly what the thread passes to the model
+# 1. uniform levels: a list of batched tensors, exactly what the user passes to the model
 features = [torch.randn(4, 8, 16, 16), torch.randn(4, 8, 10, 10)]
 n_params = sum(p.numel() for p in model.parameters())
-# like the thread's gist: indices into the flattened vector of all parameters
+# as in the user's code: indices into the flattened vector of all parameters
 subset = mj.ParamSubset.from_flat_indices(model, torch.randperm(n_params)[:300])
 print(subset)
 

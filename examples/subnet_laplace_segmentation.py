@@ -10,7 +10,7 @@ belongs to which, and the outline of every shape is ``ignore_index`` in the trai
 
 After a few seconds of training, :class:`multiscale_jac.SubnetLaplace` puts a Gaussian posterior
 over the 1,000 weights of largest marginal variance under a diagonal Laplace
-(``ParamSubset.largest_variance``, ranked on 12 images), tunes the prior precision on the
+(``largest_variance``, ranked on 12 images), tunes the prior precision on the
 marginal likelihood and gives the linearised predictive per pixel (probit link). Batches are
 lists of samples that mix the three sizes, with a list of label maps as targets; every sample
 runs unpadded, so nothing is computed for padding.
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     # The selection needs the exact diagonal GGN over every weight (per-sample Jacobians of all
     # pixels' logits): a few images rank the weights well enough and cost less than the fit.
     t0 = time.perf_counter()
-    subset = mj.ParamSubset.largest_variance(
+    subset = mj.largest_variance(
         model, ragged_batches(x_train[:n_select], y_train[:n_select], 6), k
     )
     per_tensor = ", ".join(f"{n} {b - a}" for n, (a, b) in subset.offsets.items())

@@ -31,6 +31,7 @@ from .enums import (
     Layout,
     Likelihood,
     LinkApprox,
+    MemoryBudgetError,
     Mode,
     PriorStructure,
     Randomness,
@@ -43,6 +44,7 @@ from .laplace import GLMPredictive, SubnetLaplace
 from .levels import LevelOutputs, map_levels
 from .packing import Bucket, PackedBatch, Signature, pack
 from .result import JacobianResult
+from .selection import largest_variance
 from .subset import ParamSubset
 
 __version__ = "0.1.0"
@@ -80,6 +82,7 @@ __all__ = [
     "LinkApprox",
     "PriorStructure",
     "SubnetLaplace",
+    "largest_variance",
     # reference
     "reference",
     # option enums and warnings
@@ -87,6 +90,7 @@ __all__ = [
     "Entries",
     "FallbackWarning",
     "InputKind",
+    "MemoryBudgetError",
     "Layout",
     "Mode",
     "Randomness",

@@ -1,8 +1,15 @@
-"""Private validation helpers shared by the public entry points."""
+"""The front door of every public entry point (private): argument checks, :func:`prepare`
+(model, inputs, subset, batch-norm and randomness policy), the one too-small-budget error and
+fallbacks reported once at the user's call site."""
 
 from __future__ import annotations
 
+import math
+import os
+import sys
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,18 +17,141 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from .enums import BatchNormPolicy, Randomness
+from .adapter import PerSampleFunction
+from .enums import (
+    BatchNormPolicy,
+    FallbackWarning,
+    Layout,
+    Randomness,
+    parse_enum,
+)
+from .packing import PackedBatch, pack
+from .subset import ParamSubset, resolve_subset
 
 __all__ = [
+    "Prepared",
     "check_bool",
     "check_chunk_size",
     "check_generator",
+    "check_int",
     "check_memory_budget",
     "check_model",
     "check_output_fn",
     "check_positive_int",
+    "check_positive_number",
     "check_train_mode_layers",
+    "prepare",
+    "warn_fallback",
 ]
+
+#: frames in these folders are not the user's (see :func:`user_stacklevel`)
+_INTERNAL = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What every public entry point checks before it computes anything.
+
+    Attributes:
+        model: The user's model (never changed).
+        subset: The selected entries.
+        output_fn: The user's ``output_fn`` (checked callable) or ``None``.
+        eval_batch_norm: Run train-mode BatchNorm with running statistics (``batch_norm="eval"``).
+        randomness: The random-ops policy.
+        packed: The inputs packed and moved to the parameters' device (``None`` when the entry
+            point streams data and packs batch by batch with :meth:`pack`).
+    """
+
+    model: nn.Module
+    subset: ParamSubset
+    output_fn: Callable[[Any], Any] | None
+    eval_batch_norm: bool
+    randomness: Randomness
+    packed: PackedBatch | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the selected parameters live (the computation runs there)."""
+        return dict(self.model.named_parameters())[self.subset.names[0]].device
+
+    def pack(self, inputs: Any) -> PackedBatch:
+        """``inputs`` (anything :func:`~multiscale_jac.pack` takes) on the parameters' device."""
+        packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
+        return packed.to(self.device)
+
+    def function(
+        self,
+        packed: PackedBatch,
+        *,
+        output_fn: Callable[[Any], Any] | None = None,
+        subset: ParamSubset | None = None,
+    ) -> PerSampleFunction:
+        """The model as a per-sample function of ``subset`` (default: the selected entries) for
+        inputs shaped like ``packed``, with ``output_fn`` (default: the user's)."""
+        return PerSampleFunction(
+            self.model,
+            self.subset if subset is None else subset,
+            packed.kind,
+            self.output_fn if output_fn is None else output_fn,
+            eval_batch_norm=self.eval_batch_norm,
+            tokens=packed.layout is Layout.NESTED,
+        )
+
+
+def prepare(
+    model: Any,
+    inputs: Any = None,
+    *,
+    params: Any,
+    output_fn: Any,
+    batch_norm: Any,
+    randomness: Any,
+    params_name: str = "params",
+) -> Prepared:
+    """Check the arguments every entry point shares and apply the batch-norm and randomness
+    policies (see :class:`Prepared`); ``inputs=None`` for entry points that stream data.
+
+    Raises:
+        TypeError, ValueError: the message names the offending argument as the user wrote it
+            (``params_name`` is ``"subset"`` for :class:`~multiscale_jac.SubnetLaplace`).
+    """
+    model = check_model(model)
+    output_fn = check_output_fn(output_fn)
+    policy = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
+    randomness = parse_enum(Randomness, randomness, "randomness")
+    subset = resolve_subset(params, model, params_name)
+    named = dict(model.named_parameters())
+    for name in subset.names:
+        if not named[name].is_floating_point():
+            raise TypeError(
+                f"parameter {name!r} has dtype {named[name].dtype}; only floating-point "
+                "parameters can be differentiated"
+            )
+    eval_bn = check_train_mode_layers(model, policy, randomness)
+    prepared = Prepared(model, subset, output_fn, eval_bn, randomness)
+    if inputs is None:
+        return prepared
+    return Prepared(model, subset, output_fn, eval_bn, randomness, prepared.pack(inputs))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost frame outside this package and torch (the user's
+    line, also when torch's autograd calls back into the package)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_fallback(messages: Any) -> None:
+    """One :class:`~multiscale_jac.FallbackWarning` for the distinct ``messages`` of a call,
+    pointing at the user's line."""
+    distinct = list(dict.fromkeys(m for m in messages if m))
+    if distinct:
+        warnings.warn("; then ".join(distinct), FallbackWarning, stacklevel=user_stacklevel())
 
 
 def check_model(model: Any) -> nn.Module:
@@ -64,6 +194,20 @@ def check_memory_budget(budget: Any) -> int | None:
     if not budget > 0:
         raise ValueError(f"memory_budget must be > 0 bytes; got {budget!r}")
     return int(budget)
+
+
+def check_positive_number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number; got {value!r}")
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a positive number; got {value!r}")
+    return float(value)
+
+
+def check_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int; got {value!r}")
+    return value
 
 
 def check_bool(value: Any, name: str) -> bool:

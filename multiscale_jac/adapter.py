@@ -15,8 +15,6 @@ The model itself is never changed: parameters are substituted with
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,12 +25,11 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from .entries import EntryGeometry, EntryMode, entry_geometry
+from ._ops import SIGNATURES, bind_op
 from .enums import InputKind
-from .structured import StructuredMode, dense_weight, structured_kind
 from .subset import ParamSubset
 
-__all__ = ["PerSampleFunction", "flatten_output"]
+__all__ = ["PerSampleFunction", "dense_weight", "flatten_output"]
 
 
 class PerSampleFunction:
@@ -46,13 +43,16 @@ class PerSampleFunction:
         eval_batch_norm: Run train-mode BatchNorm layers with their running statistics.
         tokens: Give the model every level as tokens ``(1, positions, C_l)`` instead of
             ``(1, C_l, *spatial)`` (inputs packed with ``layout="nested"``).
-        structured: Differentiate selected entries of conv1d/conv2d/linear weights through
-            :mod:`~multiscale_jac.structured` (cost per selected entry, not per weight tensor);
-            other selected tensors use the generic reparametrisation.
 
     ``values`` is a tuple with one tensor per selected parameter tensor, in ``subset.names``
     order, shaped ``subset.selected_shape(name)``. ``levels`` are the sample's levels
-    ``(C_l, *spatial_l)``.
+    ``(C_l, *spatial_l)``. Selected entries are placed into their tensors by :meth:`place`
+    (the structured paths, :mod:`~multiscale_jac.entries` and
+    :mod:`~multiscale_jac.structured`, wrap this function).
+
+    Attributes:
+        flat_indices: The selected flat indices of every selected tensor on the parameters'
+            device (``None``: the whole tensor).
     """
 
     def __init__(
@@ -64,7 +64,6 @@ class PerSampleFunction:
         *,
         eval_batch_norm: bool = False,
         tokens: bool = False,
-        structured: bool = False,
     ) -> None:
         params = subset.check_model(model)
         self.model = model
@@ -84,45 +83,10 @@ class PerSampleFunction:
             and m.training
             and m.num_batches_tracked is not None
         }
-        self._flat_idx = {
+        self.flat_indices = {
             n: (None if i is None else i.to(self._base[n].device))
             for n, i in subset.indices.items()
         }
-        self._geometry: dict[str, EntryGeometry] = {}
-        owners: dict[int, set[tuple[type, str]]] = {}
-        for m in model.modules():
-            for role in ("weight", "bias"):
-                t = getattr(m, role, None)
-                if isinstance(t, Tensor):
-                    owners.setdefault(id(t), set()).add((type(m), role))
-
-        def kind_of(name: str) -> tuple[str | None, str | None]:
-            found = owners.get(id(params[name]), set())
-            roles = {r for _, r in found}
-            return structured_kind({t for t, _ in found}), roles.pop() if len(roles) == 1 else None
-
-        #: selected weights/biases of conv1d/conv2d/linear modules: the structured forward pass
-        #: (:mod:`~multiscale_jac.entries`) can run them
-        self.entry_names: tuple[str, ...] = tuple(n for n in subset.names if None not in kind_of(n))
-        #: selected weight entries that go through the structured reverse functions
-        #: (:mod:`~multiscale_jac.structured`) in ``__call__``
-        self.rev_structured_names: tuple[str, ...] = tuple(
-            n
-            for n in subset.names
-            if self._flat_idx[n] is not None
-            # a large share of the tensor is cheaper through the dense weight
-            and 2 * self._flat_idx[n].numel() <= params[n].numel()
-            and kind_of(n)[0] is not None
-            and kind_of(n)[1] == "weight"
-        )
-        self.structured_names: tuple[str, ...] = self.rev_structured_names if structured else ()
-
-    def with_structured(self, names: tuple[str, ...]) -> PerSampleFunction:
-        """A copy whose ``__call__`` runs ``names`` (a subset of :attr:`rev_structured_names`)
-        through the structured reverse-mode functions."""
-        other = copy.copy(self)
-        other.structured_names = tuple(n for n in names if n in self.rev_structured_names)
-        return other
 
     @property
     def params(self) -> dict[str, Tensor]:
@@ -150,12 +114,12 @@ class PerSampleFunction:
             params.update(values)
             return params
         for name, v in zip(self.subset.names, values):
-            params[name] = self._place(name, v)
+            params[name] = self.place(name, v)
         return params
 
-    def _place(self, name: str, v: Tensor) -> Tensor:
-        """The full tensor ``name`` with its selected entries set to ``v``."""
-        idx = self._flat_idx[name]
+    def place(self, name: str, v: Tensor) -> Tensor:
+        """The full tensor ``name`` with its selected entries set to ``v`` (differentiable)."""
+        idx = self.flat_indices[name]
         return v if idx is None else dense_weight(self._base[name], idx, v)
 
     def call(
@@ -203,78 +167,13 @@ class PerSampleFunction:
         out = functional_call(self.model, params, (arg,)) if params else self.model(arg)
         return self.output_fn(out) if self.output_fn is not None else out
 
-    def entry_geometry(self, name: str) -> EntryGeometry:
-        """Output channel and position of the selected entries of ``name`` (see
-        :mod:`~multiscale_jac.entries`)."""
-        if name not in self._geometry:
-            base = self._base[name]
-            self._geometry[name] = entry_geometry(
-                tuple(base.shape), self._flat_idx[name], base.device
-            )
-        return self._geometry[name]
-
-    def entry_call(
-        self,
-        name: str,
-        values: tuple[Tensor, ...],
-        levels: tuple[Tensor, ...],
-        v: Tensor,
-        c0: Tensor,
-        *,
-        stats: dict[str, int] | None = None,
-    ) -> Tensor:
-        """The flat output ``(O,)`` of one sample with the structured forward pass for the
-        entries of ``name`` (:class:`~multiscale_jac.entries.EntryMode`).
-
-        Args:
-            name: The selected tensor whose entries carry tangents.
-            values: All selected values (primal); ``name``'s are replaced by ``v``.
-            levels: The sample's levels.
-            v: ``name``'s selected values, carrying the one-hot tangent ``e_j``.
-            c0: A scalar zero carrying the tangent ``j``.
-            stats: If given, updated with the counts of what the pass ran and its per-tangent
-                ``work``, ``dense_work``, ``elems``, ``dense_elems`` (see
-                :class:`~multiscale_jac.entries.EntryMode`).
-        """
-        params = self.full_params(values)
-        base = self._base[name]
-        alias = base.view_as(base)  # a fresh object the mode recognises
-        mode = EntryMode(
-            alias,
-            params[name].detach(),
-            lambda: self._place(name, v),
-            c0,
-            self.entry_geometry(name),
-        )
-        params[name] = alias
-        try:
-            return self.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
-        finally:  # also what was counted before a NotStructuredError
-            if stats is not None:
-                counts = {
-                    "work": mode.work,
-                    "dense_work": mode.dense_work,
-                    "elems": mode.elems,
-                    "dense_elems": mode.dense_elems,
-                }
-                for k, n in (*mode.stats.items(), *counts.items()):
-                    stats[k] = stats.get(k, 0) + n
-
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
-        if not self.structured_names:
-            return self.call(self.full_params(values), levels)
-        params = dict(self._base)
-        entries = {}
-        for n, v in zip(self.subset.names, values):
-            if n in self.structured_names:
-                alias = self._base[n].view_as(self._base[n])  # a fresh object the mode knows
-                params[n] = alias
-                entries[id(alias)] = (alias, self._base[n], self._flat_idx[n], v)
-            else:
-                params[n] = self._place(n, v)
-        return self.call(
-            params, levels, around=lambda stack, _: stack.enter_context(StructuredMode(entries))
-        )
+        return self.call(self.full_params(values), levels)
+
+
+def dense_weight(w0: Tensor, idx: Tensor, v: Tensor) -> Tensor:
+    """``w0`` with the entries at flat indices ``idx`` replaced by ``v`` (differentiable)."""
+    return w0.reshape(-1).index_put((idx,), v).view(w0.shape)
 
 
 def flatten_output(out: Any, path: str = "output") -> Tensor:
@@ -315,9 +214,6 @@ def _collect(out: Any, path: str, leaves: list[Tensor]) -> None:
         )
 
 
-_BN_SIG = inspect.signature(F.batch_norm)
-
-
 class _EvalBatchNormMode(TorchFunctionMode):
     """Run ``F.batch_norm`` with its running statistics (``training=False``)."""
 
@@ -326,8 +222,8 @@ class _EvalBatchNormMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.batch_norm:
-            bound = _BN_SIG.bind(*args, **kwargs)
-            if bound.arguments.get("running_mean") is not None:
-                bound.arguments["training"] = False
-            return func(*bound.args, **bound.kwargs)
+            b = bind_op("batch_norm", args, kwargs)
+            if b["running_mean"] is not None:
+                b["training"] = False
+            return func(*(b[n] for n in SIGNATURES["batch_norm"][0]))
         return func(*args, **kwargs)

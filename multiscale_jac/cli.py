@@ -4,21 +4,19 @@ multiscale_jac ...``)."""
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 __all__ = ["main"]
 
 _DTYPES = {"float32": "float32", "float64": "float64"}
-#: the benchmark suites (kept here so that --help needs no import of torch)
-_SUITES = (
-    "bench_jacobian",
-    "bench_multires",
-    "bench_subset",
-    "bench_fisher",
-    "bench_jacnorm",
-    "bench_laplace",
-)
+#: overrides where ``multiscale-jac bench`` looks for the benchmarks folder
+_BENCH_ENV = "MULTISCALE_JAC_BENCHMARKS"
 
 
 def _positive_int(text: str) -> int:
@@ -31,6 +29,55 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _benchmarks_dir() -> Path:
+    """``$MULTISCALE_JAC_BENCHMARKS``, or the ``benchmarks/`` folder of the source tree that
+    holds this package (present in a checkout installed with ``pip install -e .``)."""
+    env = os.environ.get(_BENCH_ENV)
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load_driver() -> ModuleType:
+    """The benchmark driver, ``benchmarks/driver.py`` of the folder :func:`_benchmarks_dir`
+    names, loaded from its path (it imports no torch at module level).
+
+    Raises:
+        FileNotFoundError: no driver there (the installed package has no benchmarks).
+    """
+    folder = _benchmarks_dir()
+    path = folder / "driver.py"
+    if not path.is_file():
+        where = (
+            f"set by ${_BENCH_ENV}"
+            if os.environ.get(_BENCH_ENV)
+            else f"next to the installed package; ${_BENCH_ENV} is unset"
+        )
+        raise FileNotFoundError(
+            f"no benchmark scripts at {folder} ({where}; no driver.py there). "
+            "'multiscale-jac bench' runs the scripts in the benchmarks/ folder of the source "
+            "repository, which the installed package does not include: run it from a source "
+            f"checkout (pip install -e .), or set {_BENCH_ENV} to the benchmarks/ folder of one"
+        )
+    return _load_module(path.resolve())
+
+
+@functools.cache
+def _load_module(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("multiscale_jac_bench_driver", path)
+    if spec is None or spec.loader is None:  # pragma: no cover (a .py file always has a loader)
+        raise FileNotFoundError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _driver_suites() -> tuple[str, ...] | None:
+    """The driver's suite names, or ``None`` without a benchmarks folder."""
+    try:
+        return tuple(_load_driver().SUITES)
+    except FileNotFoundError:
+        return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="multiscale-jac",
@@ -40,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo_parser(sub)
+    _add_bench_parser(sub, _driver_suites())
+    return parser
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
         help="check the engine against the loop reference on a built-in FPN and print a table",
@@ -68,14 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="float64",
         help="dtype of model and data (default float64)",
     )
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction, suites: tuple[str, ...] | None) -> None:
+    """``bench``; ``suites``: the driver's suites (``None``: no benchmarks folder found, the
+    command then says so when run)."""
+    listed = ", ".join(suites) if suites is not None else "none found here"
     bench = sub.add_parser(
         "bench",
         help="run the benchmark suites and write report.md, results.json and plots",
         description=(
-            "Run the benchmark suites of the source tree's benchmarks/ folder (bench_jacobian, "
-            "bench_multires, bench_subset, bench_fisher, bench_jacnorm, bench_laplace), each in "
-            "its own process. Every method is timed as a ratio to one training step measured in "
-            "the same process, with peak memory from a fresh process per cell (CUDA: "
+            f"Run the benchmark suites ({listed}) of the benchmarks/ folder of a source "
+            f"checkout (or of the folder ${_BENCH_ENV} names), each in its own process. "
+            "Every method is timed as a ratio to one training step measured in the same "
+            "process, with peak memory from a fresh process per cell (CUDA: "
             "max_memory_allocated after cuda.synchronize). Writes DIR/report.md (tables), "
             "DIR/results.json (every record, with the environment: torch version, device, "
             "threads), DIR/raw/ (each suite's own JSON) and DIR/<suite>.png (time ratio and "
@@ -101,10 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--suites",
         nargs="+",
-        choices=list(_SUITES),
-        default=list(_SUITES),
+        choices=None if suites is None else list(suites),
+        default=None,
         metavar="SUITE",
-        help=f"suites to run (default all: {', '.join(_SUITES)})",
+        help=f"suites to run (default all: {listed})",
     )
     bench.add_argument(
         "--timeout",
@@ -124,7 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
             "benchmarks/results, the committed full runs; with --quick, their quick runs)"
         ),
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,32 +200,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pathlib import Path
-
-    from ._bench import benchmarks_dir, run_bench, write_report
-
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available")
     try:
-        benchmarks_dir()
+        driver = _load_driver()
     except FileNotFoundError as err:
         parser.error(str(err))
+    suites = list(driver.SUITES) if args.suites is None else args.suites
+    unknown = [s for s in suites if s not in driver.SUITES]
+    if unknown:  # only when the parser was built without the driver
+        parser.error(
+            f"argument --suites: invalid choice: {unknown[0]!r} "
+            f"(choose from {', '.join(driver.SUITES)})"
+        )
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {args.out!r} exists and is not a folder")
     if args.from_dir is not None:
         if not Path(args.from_dir).is_dir():
             parser.error(f"--from {args.from_dir!r} is not a folder")
-        write_report(Path(args.from_dir), out, args.suites, quick=args.quick, device=args.device)
+        driver.write_report(Path(args.from_dir), out, suites, quick=args.quick, device=args.device)
         return 0
-    return run_bench(
+    return driver.run_bench(
         quick=args.quick,
         device=args.device,
         out=out,
-        suites=args.suites,
+        suites=suites,
         progress=not args.no_progress,
         timeout=args.timeout,
     )

@@ -33,7 +33,6 @@ path for that tensor and records why.
 
 from __future__ import annotations
 
-import inspect
 import math
 import weakref
 from collections.abc import Callable
@@ -46,10 +45,18 @@ from torch import Tensor
 from torch.func import jvp
 from torch.overrides import TorchFunctionMode
 
-from .masked import ACTIVATIONS, _bind_op, _ntuple, _tensors
-from .structured import numeric_padding, selected_columns
+from ._ops import ACTIVATIONS, bind_call, bind_op, ntuple, numeric_padding, tensors
+from .adapter import PerSampleFunction
+from .structured import layer_roles, selected_columns
 
-__all__ = ["EntryGeometry", "EntryMode", "NotStructuredError", "entry_geometry"]
+__all__ = [
+    "EntryGeometry",
+    "EntryMode",
+    "NotStructuredError",
+    "entry_call",
+    "entry_geometry",
+    "entry_names",
+]
 
 
 class NotStructuredError(RuntimeError):
@@ -196,7 +203,7 @@ def _numel(out: Any) -> int:
 
 def _macs(kind: str, out: Any, args: tuple, kwargs: dict) -> int:
     """Multiply-adds of a conv/linear call (its output times the weight's fan-in)."""
-    b = _bind_op("linear" if kind == "linear" else "conv", args, kwargs)
+    b = bind_op("linear" if kind == "linear" else "conv", args, kwargs)
     w = b["weight"]
     fan_in = w.shape[-1] if kind == "linear" else w[0].numel()
     return _numel(out) * int(fan_in)
@@ -221,28 +228,6 @@ class _Pending:
 _ELEMENTWISE = {*ACTIVATIONS, F.batch_norm}
 _INPLACE_TO_OUT = {torch.relu_: torch.relu, torch.Tensor.relu_: torch.relu, F.relu_: torch.relu}
 _IDENTITY_IF_OFF = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout}
-_SIGS: dict[Any, inspect.Signature | None] = {}
-
-
-def _signature(func: Any) -> inspect.Signature | None:
-    if func not in _SIGS:
-        try:
-            _SIGS[func] = inspect.signature(func)
-        except (TypeError, ValueError):
-            _SIGS[func] = None
-    return _SIGS[func]
-
-
-def _bound(func: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    sig = _signature(func)
-    if sig is None:
-        return None
-    try:
-        b = sig.bind(*args, **kwargs)
-    except TypeError:
-        return None
-    b.apply_defaults()
-    return dict(b.arguments)
 
 
 def _is_inplace(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -252,67 +237,32 @@ def _is_inplace(func: Any, args: tuple, kwargs: dict) -> bool:
     if name in _INPLACE_DUNDERS or "out" in kwargs:
         return True
     if func in _ELEMENTWISE or func in _IDENTITY_IF_OFF:
-        b = _bound(func, args, kwargs)
+        b = bind_call(func, args, kwargs)
         return bool(b and b.get("inplace"))
     return False
 
 
 _INPLACE_DUNDERS = {
     "__setitem__",
-    *(
-        f"__i{op}__"
-        for op in (
-            [
-                "add",
-                "sub",
-                "mul",
-                "matmul",
-                "truediv",
-                "floordiv",
-                "mod",
-                "pow",
-                "and",
-                "or",
-                "xor",
-                "lshift",
-                "rshift",
-            ]
-        )
-    ),
+    *(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow")),
+    *(f"__i{op}__" for op in ("and", "or", "xor", "lshift", "rshift")),
 }
 #: ops whose output is (usually) a view: they create no new tangent memory
 _VIEWS = {
-    "view",
-    "view_as",
-    "reshape",
-    "reshape_as",
-    "flatten",
-    "unflatten",
-    "squeeze",
-    "unsqueeze",
-    "permute",
-    "transpose",
-    "t",
-    "movedim",
-    "expand",
-    "expand_as",
-    "select",
-    "narrow",
-    "split",
-    "chunk",
-    "unbind",
-    "__getitem__",
+    *("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze"),
+    *("permute", "transpose", "t", "movedim", "expand", "expand_as", "select", "narrow", "split"),
+    *("chunk", "unbind", "__getitem__"),
 }
 
 
 def _valid_unit(b: dict, nd: int) -> bool:
     """A conv call with stride 1, dilation 1, no padding and one group."""
     pad = b["padding"]
-    no_pad = pad == "valid" or (not isinstance(pad, str) and set(_ntuple(pad, nd)) == {0})
+    no_pad = pad == "valid" or (not isinstance(pad, str) and set(ntuple(pad, nd)) == {0})
     return (
         no_pad
-        and set(_ntuple(b["stride"], nd)) == {1}
-        and set(_ntuple(b["dilation"], nd)) == {1}
+        and set(ntuple(b["stride"], nd)) == {1}
+        and set(ntuple(b["dilation"], nd)) == {1}
         and b["groups"] == 1
     )
 
@@ -431,9 +381,9 @@ class EntryMode(TorchFunctionMode):
         inplace = _is_inplace(func, args, kwargs)
         if inplace and args:
             self._check_inplace(args[0])
-        tensors = list(_tensors(args, kwargs))
-        touched = any(self._taint(t) or self._pend(t) is not None for t in tensors) or any(
-            t is self.alias for t in tensors
+        operands = list(tensors(args, kwargs))
+        touched = any(self._taint(t) or self._pend(t) is not None for t in operands) or any(
+            t is self.alias for t in operands
         )
         if not touched:
             return func(*args, **kwargs)
@@ -457,7 +407,7 @@ class EntryMode(TorchFunctionMode):
             raise NotStructuredError("an in-place op writes into a tensor with a tangent")
 
     def _layer(self, func: Any, kind: str, args: tuple, kwargs: dict) -> Tensor | None:
-        b = _bind_op("linear" if kind == "linear" else "conv", args, kwargs)
+        b = bind_op("linear" if kind == "linear" else "conv", args, kwargs)
         x, w, bias = b["input"], b["weight"], b["bias"]
         if not isinstance(x, Tensor):
             return None
@@ -522,11 +472,11 @@ class EntryMode(TorchFunctionMode):
             nd = 2 if kind == "conv2d" else 1
             if x.dim() != nd + 2:
                 return None
-            dilation = _ntuple(b["dilation"], nd)
+            dilation = ntuple(b["dilation"], nd)
             padding = numeric_padding(b["padding"], dilation, tuple(w.shape[2:]))
             if padding is None:
                 return None  # asymmetric 'same'
-            stride, groups = _ntuple(b["stride"], nd), b["groups"]
+            stride, groups = ntuple(b["stride"], nd), b["groups"]
             y = func(x, w, bias, stride, padding, dilation, groups)
             dim = 1
             u = None
@@ -554,10 +504,10 @@ class EntryMode(TorchFunctionMode):
         p = self._pend(y)
         if p is None or p.kernels is not None:
             return None
-        rest = list(_tensors(args[1:], kwargs))
+        rest = list(tensors(args[1:], kwargs))
         if any(self._taint(t) or self._pend(t) is not None or t is self.alias for t in rest):
             return None
-        b = _bound(func, args, kwargs) if func in _ELEMENTWISE | _IDENTITY_IF_OFF else None
+        b = bind_call(func, args, kwargs) if func in _ELEMENTWISE | _IDENTITY_IF_OFF else None
         if func in _IDENTITY_IF_OFF:  # dropout: the identity when not training
             if b is None or b.get("training", True):
                 return None
@@ -594,3 +544,54 @@ class EntryMode(TorchFunctionMode):
             return out
         self._pending[id(primal)] = _Pending(weakref.ref(primal), p.u, m, p.dim, None, p.src)
         return primal
+
+
+# ---------------------------------------------------------------------- running a function
+def entry_names(fn: PerSampleFunction) -> tuple[str, ...]:
+    """The selected tensors of ``fn`` the structured forward pass can run: weights and biases
+    of conv1d/conv2d/linear modules."""
+    roles = layer_roles(fn)
+    return tuple(n for n in fn.subset.names if None not in roles[n])
+
+
+def entry_call(
+    fn: PerSampleFunction,
+    name: str,
+    values: tuple[Tensor, ...],
+    levels: tuple[Tensor, ...],
+    v: Tensor,
+    c0: Tensor,
+    *,
+    stats: dict[str, int] | None = None,
+) -> Tensor:
+    """The flat output ``(O,)`` of one sample of ``fn`` with the structured forward pass for
+    the entries of ``name`` (:class:`EntryMode`).
+
+    Args:
+        fn: The per-sample function.
+        name: The selected tensor whose entries carry tangents.
+        values: All selected values (primal); ``name``'s are replaced by ``v``.
+        levels: The sample's levels.
+        v: ``name``'s selected values, carrying the one-hot tangent ``e_j``.
+        c0: A scalar zero carrying the tangent ``j``.
+        stats: If given, updated with the counts of what the pass ran and its per-tangent
+            ``work``, ``dense_work``, ``elems``, ``dense_elems`` (see :class:`EntryMode`).
+    """
+    params = fn.full_params(values)
+    base = fn.params[name]
+    alias = base.view_as(base)  # a fresh object the mode recognises
+    geometry = entry_geometry(tuple(base.shape), fn.flat_indices[name], base.device)
+    mode = EntryMode(alias, params[name].detach(), lambda: fn.place(name, v), c0, geometry)
+    params[name] = alias
+    try:
+        return fn.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
+    finally:  # also what was counted before a NotStructuredError
+        if stats is not None:
+            counts = {
+                "work": mode.work,
+                "dense_work": mode.dense_work,
+                "elems": mode.elems,
+                "dense_elems": mode.dense_elems,
+            }
+            for k, n in (*mode.stats.items(), *counts.items()):
+                stats[k] = stats.get(k, 0) + n

@@ -1,4 +1,4 @@
-"""String enums for every option set, the fallback warning and the unsupported-op error.
+"""String enums for every option set, the fallback warning and the library's errors.
 
 Every option that takes one of a fixed set of strings has an enum here. The enums subclass
 ``str``, so ``Strategy.VMAP == "vmap"`` and users may pass either form. Unknown strings raise a
@@ -24,6 +24,7 @@ __all__ = [
     "Layout",
     "Likelihood",
     "LinkApprox",
+    "MemoryBudgetError",
     "Mode",
     "PriorStructure",
     "Randomness",
@@ -233,6 +234,20 @@ class UnsupportedOpError(ValueError):
         self.reason = reason
         where = f" in module {module!r}" if module else ""
         super().__init__(f"{context}: {op}{where}: {reason}")
+
+
+class MemoryBudgetError(ValueError):
+    """A ``memory_budget`` below the estimated minimum of the call (every entry point raises
+    this one error; ``minimum`` is the smallest budget that would be accepted)."""
+
+    def __init__(self, budget: int, minimum: int, detail: str) -> None:
+        self.budget = budget
+        self.minimum = minimum
+        super().__init__(
+            f"memory_budget={budget} bytes is below the estimated minimum of {minimum} bytes "
+            f"({minimum / 2**20:.1f} MiB): {detail}. Pass memory_budget=None for the default "
+            f"or at least {minimum}"
+        )
 
 
 _E = TypeVar("_E", bound=_StrEnum)

@@ -4,7 +4,7 @@ exact gradient, computed chunk by chunk so that memory does not grow with the nu
 Gradient: with ``g_io = grad_theta f_o(x_i)`` and ``M`` the 0/1 mask of the selected entries,
 ``S = sum_io |M g_io|^2`` and ``grad S = 2 sum_io H_io (M g_io)``, one Hessian-vector product
 per output row (forward-over-reverse: ``jvp`` of ``grad``), with ``H_io`` the Hessian of
-``f_o(x_i)`` w.r.t. *all* parameters. (The second seed thread's last rewrite,
+``f_o(x_i)`` w.r.t. *all* parameters. (A tempting shortcut,
 ``[sum_i d/dtheta_p (df/dtheta_p)^2]_p``, keeps only the diagonal ``H_pp`` terms; that is not the
 gradient of ``S``.)
 
@@ -19,7 +19,6 @@ gradient (a custom autograd function: nothing of the forward is kept but the inp
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,32 +27,35 @@ from torch import Tensor, nn
 from torch.func import grad, jvp, vmap
 
 from ._checks import (
+    Prepared,
     check_bool,
     check_chunk_size,
     check_generator,
-    check_model,
-    check_output_fn,
+    check_memory_budget,
     check_positive_int,
-    check_train_mode_layers,
+    prepare,
+    warn_fallback,
 )
 from ._distributed import Reducer
-from .adapter import PerSampleFunction
+from ._planning import measure
+from ._stream import with_progress
 from .enums import (
     BatchNormPolicy,
     Estimator,
-    FallbackWarning,
     JacNormMethod,
+    MemoryBudgetError,
     Randomness,
     parse_enum,
 )
 from .layerwise import LayerwisePlan, NotLayerwiseError, batched_run, plan_layers
-from .packing import PackedBatch, pack
-from .subset import ParamSubset, resolve_subset
+from .subset import ParamSubset
 
 __all__ = ["jacobian_sq_norm", "jacobian_sq_norm_backward"]
 
 #: per-sample gradients a layer-wise chunk keeps in its graph, at most (default chunk size)
 _LAYERWISE_BYTES = 16 * 2**20
+#: samples per vectorised call of the ``hvp`` route by default
+_HVP_CHUNK = 16
 
 
 def jacobian_sq_norm(
@@ -63,39 +65,52 @@ def jacobian_sq_norm(
     params: ParamSubset | str | list[str] | None = None,
     output_fn: Callable[[Any], Any] | None = None,
     method: str | JacNormMethod = "auto",
-    chunk_size: int | None = None,
     estimator: str | Estimator = "exact",
     num_probes: int | None = None,
-    generator: torch.Generator | None = None,
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+    randomness: str | Randomness = "error",
     batch_norm: str | BatchNormPolicy = "error",
+    strict: bool = False,
+    progress: bool = False,
+    generator: torch.Generator | None = None,
     accumulate_grad: bool = False,
     scale: float = 1.0,
-    strict: bool = False,
     process_group: Any = None,
 ) -> Tensor:
     """``S(theta) = sum_i sum_o sum_p J_iop^2`` over the selected entries ``p``, differentiable.
 
     ``(task_loss + lam * S).backward()`` adds ``lam * grad S`` (exact, w.r.t. every parameter
     of ``model`` that requires grad) into ``.grad``; the backward recomputes per chunk of
-    ``chunk_size`` samples, so memory is bounded whatever the number of samples.
+    ``chunk_size`` samples, so memory is bounded whatever the number of samples. Options shared
+    with the other entry points mean the same everywhere (the options table in
+    ``docs/design.md``).
 
     Args:
         model: Any ``nn.Module`` (never changed).
         inputs: Anything :func:`~multiscale_jac.pack` accepts.
         params: The entries ``p`` summed over (a :class:`ParamSubset`, names or globs).
         output_fn: Applied to the model's output (batch dim of one kept) before flattening.
-        method: ``auto``, ``layerwise`` or ``hvp`` (see :class:`JacNormMethod`).
-        chunk_size: Samples per batched run (``layerwise``; default: as many as keep the
-            chunk's per-sample gradients under 64 MiB) or per vectorised call (``hvp``;
-            default 16).
+        method: ``auto``, ``layerwise`` or ``hvp`` (see :class:`~multiscale_jac.JacNormMethod`).
         estimator: ``exact`` or ``hutchinson``.
         num_probes: Probes per sample for ``hutchinson`` (default 8).
-        generator: Seeds the probes (drawn once, so value and gradient use the same ones).
+        chunk_size: Samples per batched run (``layerwise``; default: as many as keep the
+            chunk's per-sample gradients under 16 MiB) or per vectorised call (``hvp``;
+            default 16).
+        memory_budget: Bytes of the call's working set (the gradient it keeps included);
+            picks the chunk size when ``chunk_size`` is not given.
+        randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``. With
+            dropout in train mode, ``different`` runs the layer-wise route, where the value and
+            its gradient see the same masks (the backward restores the random state of the
+            forward); the ``hvp`` route and ``same`` need a deterministic model.
         batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
+        strict: Raise instead of falling back from ``layerwise`` to ``hvp`` at run time.
+        progress: A tqdm bar over the chunks when a terminal is attached.
+        generator: Seeds the probes (drawn once, so value and gradient use the same ones).
         accumulate_grad: Compute value and gradient in one pass now and add
             ``scale * grad S`` into ``.grad``; the returned value is then detached.
-        scale: The factor of the accumulated gradient (``accumulate_grad=True`` only).
-        strict: Raise instead of falling back from ``layerwise`` to ``hvp`` at run time.
+        scale: The factor of the accumulated gradient (only with ``accumulate_grad=True``;
+            otherwise multiply the returned value).
         process_group: ``accumulate_grad=True`` only. With ``torch.distributed`` initialised,
             ``inputs`` are this rank's samples; ``S`` and its gradient are summed over the
             ranks (one all-reduce) before the gradient is added, so every rank gets the result
@@ -104,26 +119,27 @@ def jacobian_sq_norm(
     Returns:
         A 0-d tensor.
     """
-    if not isinstance(accumulate_grad, bool):
-        raise TypeError(f"accumulate_grad must be a bool; got {type(accumulate_grad).__name__}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a number; got {type(scale).__name__}")
-    job = _Job.build(
+    accumulate_grad = _check_accumulate(accumulate_grad, scale, process_group)
+    prep = prepare(
         model,
         inputs,
-        params,
-        output_fn,
-        method,
-        chunk_size,
-        estimator,
-        num_probes,
-        generator,
-        batch_norm,
+        params=params,
+        output_fn=output_fn,
+        batch_norm=batch_norm,
+        randomness=randomness,
     )
-    job.strict = check_bool(strict, "strict") or job.requested is JacNormMethod.LAYERWISE
+    job = _Job(
+        prep,
+        method=parse_enum(JacNormMethod, method, "method"),
+        estimator=parse_enum(Estimator, estimator, "estimator"),
+        num_probes=num_probes,
+        chunk_size=check_chunk_size(chunk_size),
+        memory_budget=check_memory_budget(memory_budget),
+        strict=check_bool(strict, "strict"),
+        progress=check_bool(progress, "progress"),
+        generator=check_generator(generator),
+    )
     if not accumulate_grad:
-        if process_group is not None:
-            raise ValueError("process_group needs accumulate_grad=True (jacobian_sq_norm_backward)")
         return _SqNorm.apply(job, *job.trainable.values())
     reducer = Reducer(process_group)
     value, grads = job.run(with_grad=True)
@@ -135,15 +151,64 @@ def jacobian_sq_norm(
 
 
 def jacobian_sq_norm_backward(
-    model: nn.Module, inputs: Any, *, scale: float = 1.0, **options: Any
+    model: nn.Module,
+    inputs: Any,
+    *,
+    params: ParamSubset | str | list[str] | None = None,
+    output_fn: Callable[[Any], Any] | None = None,
+    method: str | JacNormMethod = "auto",
+    estimator: str | Estimator = "exact",
+    num_probes: int | None = None,
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+    randomness: str | Randomness = "error",
+    batch_norm: str | BatchNormPolicy = "error",
+    strict: bool = False,
+    progress: bool = False,
+    generator: torch.Generator | None = None,
+    scale: float = 1.0,
+    process_group: Any = None,
 ) -> Tensor:
     """Compute ``S`` and add ``scale * grad S`` into every trainable parameter's ``.grad``,
     chunk by chunk (each chunk's work freed before the next); returns ``S`` (detached).
 
-    ``options`` are :func:`jacobian_sq_norm`'s keywords. For training loops with many samples:
+    The arguments mean what they mean for :func:`jacobian_sq_norm` (this is
+    ``jacobian_sq_norm(..., accumulate_grad=True)``). For training loops with many samples:
     equivalent to ``(scale * jacobian_sq_norm(...)).backward()`` in one pass over the data.
     """
-    return jacobian_sq_norm(model, inputs, accumulate_grad=True, scale=scale, **options)
+    return jacobian_sq_norm(
+        model,
+        inputs,
+        params=params,
+        output_fn=output_fn,
+        method=method,
+        estimator=estimator,
+        num_probes=num_probes,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        randomness=randomness,
+        batch_norm=batch_norm,
+        strict=strict,
+        progress=progress,
+        generator=generator,
+        accumulate_grad=True,
+        scale=scale,
+        process_group=process_group,
+    )
+
+
+def _check_accumulate(accumulate_grad: Any, scale: Any, process_group: Any) -> bool:
+    accumulate_grad = check_bool(accumulate_grad, "accumulate_grad")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number; got {scale!r}")
+    if not accumulate_grad and scale != 1.0:
+        raise ValueError(
+            f"scale={scale!r} only applies with accumulate_grad=True; multiply the returned "
+            "value instead"
+        )
+    if not accumulate_grad and process_group is not None:
+        raise ValueError("process_group needs accumulate_grad=True (jacobian_sq_norm_backward)")
+    return accumulate_grad
 
 
 class _SqNorm(torch.autograd.Function):
@@ -160,118 +225,148 @@ class _SqNorm(torch.autograd.Function):
 
 
 class _Job:
-    """Everything one evaluation needs: the function, the data and the probes."""
+    """Everything one evaluation needs: the function, the data, the route and the probes."""
 
-    def __init__(self) -> None:
-        self.fn: PerSampleFunction
-        self.packed: PackedBatch
-        self.trainable: dict[str, Tensor]
-        self.mask: dict[str, Tensor]
-        self.chunk = 16
-        self.probes: dict[int, Tensor] | None = None
-        #: outputs per sample of every bucket, keyed by its first sample
-        self.outputs: dict[int, int] = {}
-        self.method = JacNormMethod.HVP
-        self.plan: LayerwisePlan | None = None
-        self.notes: list[str] = []
-        self.checked = False
-        self.strict = False
-        self.requested = JacNormMethod.AUTO
-
-    @classmethod
-    def build(
-        cls,
-        model: nn.Module,
-        inputs: Any,
-        params: Any,
-        output_fn: Any,
-        method: Any,
-        chunk_size: Any,
-        estimator: Any,
-        num_probes: Any,
-        generator: Any,
-        batch_norm: Any,
-    ) -> _Job:
-        model = check_model(model)
-        output_fn = check_output_fn(output_fn)
-        chunk = check_chunk_size(chunk_size)
-        method = parse_enum(JacNormMethod, method, "method")
-        requested = method
-        est = parse_enum(Estimator, estimator, "estimator")
-        policy = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
+    def __init__(
+        self,
+        prep: Prepared,
+        *,
+        method: JacNormMethod,
+        estimator: Estimator,
+        num_probes: int | None,
+        chunk_size: int | None,
+        memory_budget: int | None,
+        strict: bool,
+        progress: bool,
+        generator: torch.Generator | None,
+    ) -> None:
         if num_probes is not None:
             num_probes = check_positive_int(num_probes, "num_probes")
-            if est is Estimator.EXACT:
+            if estimator is Estimator.EXACT:
                 raise ValueError("num_probes is only used with estimator='hutchinson'")
-        generator = check_generator(generator)
-        job = cls()
-        job.packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
-        subset = resolve_subset(params, model)
-        eval_bn = check_train_mode_layers(model, policy, Randomness.ERROR)
-        job.fn = PerSampleFunction(
-            model, ParamSubset.all(model), job.packed.kind, output_fn, eval_batch_norm=eval_bn
-        )
-        job.packed = job.packed.to(job.fn.device)
-        job.chunk = chunk or 16
-        named = dict(model.named_parameters())
-        job.requested = requested
-        job.method, job.plan = job._choose(model, subset, method, eval_bn)
-        if job.method is JacNormMethod.LAYERWISE:
-            # the chunk's per-sample gradients (kept by the graph) stay under 16 MiB: measured,
-            # a smaller chunk costs no time and a larger one costs memory
-            job.chunk = chunk or max(1, _LAYERWISE_BYTES // (4 * max(1, subset.numel)))
-        job.trainable = {n: p for n, p in named.items() if p.requires_grad}
-        job.mask = {}
-        for name, t in subset.embed(
-            torch.ones(subset.numel, dtype=named[subset.names[0]].dtype)
-        ).items():
-            job.mask[name] = t.to(named[name].device)
-        job.outputs = {b.indices[0]: job._outputs(b.indices[:1]) for b in job.packed.buckets()}
-        if est is Estimator.HUTCHINSON:
-            k = num_probes or 8
-            job.probes = {}
-            for b in job.packed.buckets():
-                o = job.outputs[b.indices[0]]
-                for i in b.indices:
-                    u = torch.randint(0, 2, (k, o), generator=generator).to(
-                        named[subset.names[0]].dtype
-                    )
-                    job.probes[i] = (2 * u - 1).to(job.fn.device)
-        return job
+        self.packed = prep.packed
+        self.subset = prep.subset
+        self.randomness = prep.randomness
+        self.fn = prep.function(self.packed, subset=ParamSubset.all(prep.model))
+        self.devices = [self.fn.device] if self.fn.device.type == "cuda" else []
+        self.requested = method
+        self.strict = strict or method is JacNormMethod.LAYERWISE
+        self.progress = progress
+        self.notes: list[str] = []
+        self.checked = False
+        self.method, self.plan = self._choose(prep, method)
+        named = dict(prep.model.named_parameters())
+        self.trainable = {n: p for n, p in named.items() if p.requires_grad}
+        dtype = named[self.subset.names[0]].dtype
+        ones = torch.ones(self.subset.numel, dtype=dtype)
+        self.mask = {n: t.to(named[n].device) for n, t in self.subset.embed(ones).items()}
+        #: outputs per sample of every bucket, keyed by its first sample
+        self.outputs = {b.indices[0]: self._outputs(b.indices[:1]) for b in self.packed.buckets()}
+        self.chunk = self._chunk(chunk_size, memory_budget, dtype)
+        self.probes = None
+        if estimator is Estimator.HUTCHINSON:
+            self.probes = self._probes(num_probes or 8, generator, dtype)
+        # the backward's recomputation draws the forward's random masks
+        self.rng_state: tuple[Tensor, Tensor | None] | None = None
+        if self.randomness is not Randomness.ERROR:
+            cuda = torch.cuda.get_rng_state(self.fn.device) if self.devices else None
+            self.rng_state = (torch.get_rng_state(), cuda)
 
     def _choose(
-        self, model: nn.Module, subset: ParamSubset, method: JacNormMethod, eval_bn: bool
+        self, prep: Prepared, method: JacNormMethod
     ) -> tuple[JacNormMethod, LayerwisePlan | None]:
+        random = self.randomness is not Randomness.ERROR
         if method is JacNormMethod.HVP:
+            if random:
+                raise ValueError(
+                    f"jacobian_sq_norm(method='hvp') needs a deterministic model; with "
+                    f"randomness={self.randomness.value!r} use method='layerwise' or 'auto'"
+                )
             return method, None
         try:
-            plan = plan_layers(model, subset, eval_batch_norm=eval_bn)
+            if self.randomness is Randomness.SAME:
+                raise NotLayerwiseError(
+                    "randomness='same' (one mask for all samples) has no batched layer-wise run"
+                )
+            plan = plan_layers(prep.model, self.subset, eval_batch_norm=prep.eval_batch_norm)
             plan.require_all()
         except NotLayerwiseError as err:
-            if method is JacNormMethod.LAYERWISE:
+            if method is JacNormMethod.LAYERWISE or random:
                 raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
             self.notes.append(f"hvp: {err}")
             return JacNormMethod.HVP, None
         return JacNormMethod.LAYERWISE, plan
 
+    def _chunk(self, chunk_size: int | None, budget: int | None, dtype: torch.dtype) -> int:
+        """Samples per chunk: ``chunk_size``, else what ``memory_budget`` allows (checked
+        against one sample's measured working set), else the route's default."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = sum(p.numel() for p in self.trainable.values())
+        rows = max(self.outputs.values())
+        if self.method is JacNormMethod.LAYERWISE:
+            default = max(1, _LAYERWISE_BYTES // (4 * max(1, self.subset.numel)))
+        else:
+            default = _HVP_CHUNK
+        if budget is None:
+            return chunk_size or default
+        kept = 2 * numel * itemsize  # the gradient and its chunk's part
+        levels = tuple(self.packed.sample(self.packed.largest_sample))
+        activations = measure(self.fn, self.fn.values(), levels).activations
+        if self.method is JacNormMethod.LAYERWISE:
+            one = 3 * activations + 2 * self.subset.numel * itemsize
+        else:
+            one = rows * (activations + 2 * numel * itemsize)
+        if kept + one > budget:
+            raise MemoryBudgetError(
+                budget,
+                kept + one,
+                f"the gradient of {numel} parameters takes {kept} bytes and one sample's "
+                f"{self.method.value} pass about {one}",
+            )
+        return chunk_size or max(1, (budget - kept) // one)
+
+    def _probes(
+        self, k: int, generator: torch.Generator | None, dtype: torch.dtype
+    ) -> dict[int, Tensor]:
+        probes = {}
+        for b in self.packed.buckets():
+            o = self.outputs[b.indices[0]]
+            for i in b.indices:
+                u = torch.randint(0, 2, (k, o), generator=generator).to(dtype)
+                probes[i] = (2 * u - 1).to(self.fn.device)
+        return probes
+
     def _outputs(self, idx: list[int]) -> int:
         levels = tuple(t[0] for t in self.packed.stack(idx))
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=self.devices):
             return int(self.fn.call(self.fn.params, levels).numel())
+
+    def _chunks(self) -> list[tuple[int, list[int]]]:
+        """``(first sample of the bucket, chunk's samples)`` for every chunk."""
+        return [
+            (b.indices[0], b.indices[s : s + self.chunk])
+            for b in self.packed.buckets()
+            for s in range(0, len(b.indices), self.chunk)
+        ]
 
     def run(self, *, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """``S`` and (optionally) ``grad S`` w.r.t. every parameter, summed over chunks."""
-        if self.method is JacNormMethod.LAYERWISE:
-            try:
-                return self._run_layerwise(with_grad)
-            except NotLayerwiseError as err:
-                if self.strict:
-                    raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
-                msg = f"layer-wise closed forms failed ({err}); falling back to hvp"
-                warnings.warn(msg, FallbackWarning, stacklevel=4)
-                self.notes.append(msg)
-                self.method = JacNormMethod.HVP
-        return self._run_hvp(with_grad)
+        with torch.random.fork_rng(devices=self.devices, enabled=self.rng_state is not None):
+            if self.rng_state is not None:
+                torch.set_rng_state(self.rng_state[0])
+                if self.rng_state[1] is not None:
+                    torch.cuda.set_rng_state(self.rng_state[1], self.fn.device)
+            if self.method is JacNormMethod.LAYERWISE:
+                try:
+                    return self._run_layerwise(with_grad)
+                except NotLayerwiseError as err:
+                    if self.strict or self.rng_state is not None:
+                        raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
+                    msg = f"layer-wise closed forms failed ({err}); ran hvp"
+                    warn_fallback([msg])
+                    self.notes.append(msg)
+                    self.method = JacNormMethod.HVP
+            return self._run_hvp(with_grad)
 
     def _run_layerwise(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """Per chunk: batched forward, one backward per output row / probe with the layer-wise
@@ -281,33 +376,33 @@ class _Job:
         params = list(self.trainable.values())
         value = params[0].new_zeros(()) if params else torch.zeros(())
         grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
-        for b in self.packed.buckets():
-            for s in range(0, len(b.indices), self.chunk):
-                idx = b.indices[s : s + self.chunk]
-                lv, out, run = batched_run(
-                    self.fn,
-                    self.packed.stack(idx),
-                    self.plan,
-                    create_graph=with_grad,
-                    check=not self.checked,
-                )
-                self.checked = True
-                with torch.enable_grad():
-                    flat = out.reshape(out.shape[0], -1)
-                    if self.probes is None:
-                        objectives = [(flat[:, o].sum(), 1.0) for o in range(flat.shape[1])]
-                    else:
-                        us = torch.stack([self.probes[i] for i in idx])  # (n, K, O)
-                        k = us.shape[1]
-                        objectives = [((flat * us[:, j]).sum(), 1.0 / k) for j in range(k)]
-                    sums = run.backward(objectives, lv)
-                    part = sum((sums[n] * self.mask[n]).sum() for n in self.mask)
-                    if with_grad and params:
-                        got = torch.autograd.grad(part, params, allow_unused=True)
-                        for (n, _), g in zip(self.trainable.items(), got):
-                            if g is not None:
-                                grads[n] += g
-                value = value + part.detach()
+        chunks = self._chunks()
+        for _, idx in with_progress(chunks, self.progress, "jacobian_sq_norm", len(chunks)):
+            lv, out, run = batched_run(
+                self.fn,
+                self.packed.stack(idx),
+                self.plan,
+                create_graph=with_grad,
+                check=not self.checked,
+                random=self.rng_state is not None,
+            )
+            self.checked = True
+            with torch.enable_grad():
+                flat = out.reshape(out.shape[0], -1)
+                if self.probes is None:
+                    objectives = [(flat[:, o].sum(), 1.0) for o in range(flat.shape[1])]
+                else:
+                    us = torch.stack([self.probes[i] for i in idx])  # (n, K, O)
+                    k = us.shape[1]
+                    objectives = [((flat * us[:, j]).sum(), 1.0 / k) for j in range(k)]
+                sums = run.backward(objectives, lv)
+                part = sum((sums[n] * self.mask[n]).sum() for n in self.mask)
+                if with_grad and params:
+                    got = torch.autograd.grad(part, params, allow_unused=True)
+                    for (n, _), g in zip(self.trainable.items(), got):
+                        if g is not None:
+                            grads[n] += g
+            value = value + part.detach()
         return value, grads
 
     def _run_hvp(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
@@ -333,19 +428,18 @@ class _Job:
             scale = 1.0 if self.probes is None else 1.0 / us.shape[0]
             return vals.sum() * scale, {n: h.sum(0) * scale for n, h in hvs.items()}
 
-        for b in self.packed.buckets():
-            o = self.outputs[b.indices[0]]
-            eye = torch.eye(o, dtype=value.dtype, device=value.device)
-            for s in range(0, len(b.indices), self.chunk):
-                idx = b.indices[s : s + self.chunk]
-                levels = self.packed.stack(idx)
-                if self.probes is None:
-                    us = eye.expand(len(idx), o, o)
-                else:
-                    us = torch.stack([self.probes[i] for i in idx])
-                with torch.no_grad():
-                    vals, hvs = vmap(per_sample)(us, *levels)
-                value = value + vals.sum()
-                for n, h in hvs.items():
-                    grads[n] += h.sum(0)
+        chunks = self._chunks()
+        for first, idx in with_progress(chunks, self.progress, "jacobian_sq_norm", len(chunks)):
+            o = self.outputs[first]
+            levels = self.packed.stack(idx)
+            if self.probes is None:
+                eye = torch.eye(o, dtype=value.dtype, device=value.device)
+                us = eye.expand(len(idx), o, o)
+            else:
+                us = torch.stack([self.probes[i] for i in idx])
+            with torch.no_grad():
+                vals, hvs = vmap(per_sample)(us, *levels)
+            value = value + vals.sum()
+            for n, h in hvs.items():
+                grads[n] += h.sum(0)
         return value, grads

@@ -27,6 +27,7 @@ per-sample outputs (every sample runs unpadded through the engine), so they cont
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,36 +38,34 @@ from torch import Tensor, nn
 
 from ._checks import (
     check_bool,
+    check_chunk_size,
     check_generator,
+    check_int,
     check_memory_budget,
-    check_model,
-    check_output_fn,
     check_positive_int,
-    check_train_mode_layers,
+    check_positive_number,
+    prepare,
+    warn_fallback,
 )
 from ._distributed import Reducer
+from ._likelihood import check_target, ggn_factors, nll_sum, output_gradient
+from ._planning import EngineOptions
+from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from .adapter import PerSampleFunction
-from .engine import per_sample_jacobian
+from .engine import run_engine
 from .enums import (
     BatchNormPolicy,
     Entries,
     HessianKind,
     Likelihood,
     LinkApprox,
+    MemoryBudgetError,
     PriorStructure,
     Randomness,
     parse_enum,
 )
-from .fisher import (
-    _Capture,
-    _pair,
-    _progress,
-    _raw_output,
-    _split_targets,
-    _subbatch,
-)
-from .packing import PackedBatch, pack
-from .subset import ParamSubset, resolve_subset
+from .packing import PackedBatch
+from .subset import ParamSubset
 
 __all__ = [
     "GLMPredictive",
@@ -133,12 +132,20 @@ class SubnetLaplace:
         hessian: ``ggn`` (default) or ``empirical``.
         output_fn: Applied to the model's output (batch dim of one kept).
         ignore_index: Label of positions left out of dense classification.
-        memory_budget: Bytes of Jacobian rows held at once (default 32 MiB): samples are
-            taken in chunks, and a sample above it in slices of its output positions. The
-            engine computing each chunk keeps to its own default working set.
+        chunk_size: Samples per engine call (default: as many as the Jacobian rows allow).
+        memory_budget: Bytes of the working set of :meth:`fit` and :meth:`predictive`,
+            including the ``(P, P)`` curvature and its factor. Samples are taken in chunks and
+            a sample whose Jacobian rows do not fit in slices of its output positions. Default:
+            32 MiB of Jacobian rows at a time and the engine's default working set.
+        randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``; the
+            outputs and Jacobians of a sample come from one pass (one set of masks).
         batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
+        strict: Raise instead of letting the engine fall back to another strategy.
         entries: How the engine forms single-entry columns (``auto``, ``structured`` or
             ``generic``; see :func:`~multiscale_jac.per_sample_jacobian`).
+
+    The options shared with the other entry points mean the same everywhere (the options table
+    in ``docs/design.md``); the subset is called ``subset`` here, as in laplace-torch.
 
     Raises:
         TypeError, ValueError: bad arguments (the message names the value).
@@ -157,30 +164,33 @@ class SubnetLaplace:
         hessian: str | HessianKind = "ggn",
         output_fn: Callable[[Any], Any] | None = None,
         ignore_index: int = -100,
+        chunk_size: int | None = None,
         memory_budget: int | None = None,
+        randomness: str | Randomness = "error",
         batch_norm: str | BatchNormPolicy = "error",
+        strict: bool = False,
         entries: str | Entries = "auto",
     ) -> None:
-        self.model = check_model(model)
+        self._prep = prepare(
+            model,
+            params=subset,
+            params_name="subset",
+            output_fn=output_fn,
+            batch_norm=batch_norm,
+            randomness=randomness,
+        )
+        self.model, self.subset, self.output_fn = model, self._prep.subset, output_fn
         self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
-        self.subset = resolve_subset(subset, model)
         self.hessian = parse_enum(HessianKind, hessian, "hessian")
-        self.output_fn = check_output_fn(output_fn)
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise TypeError(f"ignore_index must be an int; got {ignore_index!r}")
-        self.ignore_index = ignore_index
-        self.memory_budget = check_memory_budget(memory_budget) or DEFAULT_JACOBIAN_BYTES
-        self.batch_norm = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
+        self.ignore_index = check_int(ignore_index, "ignore_index")
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.memory_budget = check_memory_budget(memory_budget)
+        self.strict = check_bool(strict, "strict")
         self.entries = parse_enum(Entries, entries, "entries")
-        self._eval_bn = check_train_mode_layers(model, self.batch_norm, Randomness.ERROR)
         values = self.subset.values(model)
-        self.mean = torch.cat(
-            [values[n].reshape(-1) for n in self.subset.names]
-        ).clone()  # theta_MAP (P,)
-        if not self.mean.is_floating_point():
-            raise TypeError(f"the selected parameters have dtype {self.mean.dtype}")
-        self.temperature = _positive(temperature, "temperature")
-        self.sigma_noise = _positive(sigma_noise, "sigma_noise")
+        self.mean = torch.cat([values[n].reshape(-1) for n in self.subset.names]).clone()
+        self.temperature = check_positive_number(temperature, "temperature")
+        self.sigma_noise = check_positive_number(sigma_noise, "sigma_noise")
         if self.likelihood is Likelihood.CLASSIFICATION and self.sigma_noise != 1.0:
             raise ValueError(f"sigma_noise must be 1 for classification; got {sigma_noise!r}")
         self.prior_mean = self._vector(prior_mean, "prior_mean", positive=False)
@@ -190,13 +200,14 @@ class SubnetLaplace:
         self.n_data = 0
         self.n_outputs = 0
         self._chol: Tensor | None = None
+        self._fallbacks: list[str] = []
 
     # ------------------------------------------------------------------ fitting
     def fit(
         self,
         data: Iterable[tuple[Any, Any]],
         *,
-        progress: bool = True,
+        progress: bool = False,
         override: bool = True,
         process_group: Any = None,
     ) -> SubnetLaplace:
@@ -226,13 +237,20 @@ class SubnetLaplace:
         self.H = self.mean.new_zeros(p, p)
         self.loss, self.n_outputs = 0.0, 0
         seen = 0
-        for batch in _progress(reducer.shard(data), progress):
-            inputs, targets = _pair(batch)
-            packed = self._pack(inputs)
-            per_sample = [t.to(self.mean.device) for t in _split_targets(targets, len(packed))]
+        for batch in with_progress(reducer.shard(data), progress, "SubnetLaplace.fit"):
+            inputs, targets = pair(batch)
+            packed = self._prep.pack(inputs)
+            per_sample = [t.to(self.mean.device) for t in split_targets(targets, len(packed))]
             pending: Tensor | None = None  # empirical: a sample's gradient, over its blocks
             for block in self._jacobians(packed):
-                g = self._accumulate(block, per_sample[block.i])
+                y = check_target(
+                    per_sample[block.i],
+                    block.shape,
+                    self.likelihood,
+                    self.ignore_index,
+                    seen + block.i,
+                )
+                g = self._accumulate(block, y)
                 if g is None:
                     continue
                 if pending is not None and block.span[0] == 0:  # a new sample starts
@@ -255,63 +273,28 @@ class SubnetLaplace:
         self.n_data = stats[1] + int(seen_f)
         self.n_outputs = stats[2] + int(n_out)
         self._chol = None
+        self._warn_fallbacks()
         return self
 
-    def _accumulate(self, block: _Block, target: Tensor) -> Tensor | None:
-        """Add one block's GGN and loss; the empirical Fisher's gradient part is returned (its
-        outer product is taken once a sample's blocks are summed)."""
+    def _accumulate(self, block: _Block, y: Tensor) -> Tensor | None:
+        """Add one block's GGN and loss (``y``: the sample's checked, flat target); the
+        empirical Fisher's gradient part is returned (its outer product is taken once a
+        sample's blocks are summed)."""
         h = self._fitted()
         out, jac, (a, b) = block.out, block.jac, block.span
-        if self.likelihood is Likelihood.REGRESSION:
-            f = out.reshape(-1)
-            r = f - self._regression_target(target, block)[a:b]
-            self.loss += float(0.5 * (r * r).sum())
-            self.n_outputs += f.numel()
-            if self.hessian is HessianKind.GGN:
-                h.addmm_(jac.T, jac)
-                return None
-            return jac.T @ r
-        c, m = out.shape
-        y = self._class_target(target, block)[a:b]
-        valid = y != self.ignore_index
-        vf = valid.to(out.dtype)
-        logp = torch.log_softmax(out, dim=0)
-        picked = logp.gather(0, torch.where(valid, y, 0).unsqueeze(0)).squeeze(0)
-        self.loss += float(-(picked * vf).sum())
-        prob = logp.exp() * vf  # (C, m), zero at ignored positions
-        j = jac.reshape(c, m, -1)
-        if self.hessian is HessianKind.GGN:
-            sq = (prob.sqrt().unsqueeze(-1) * j).reshape(c * m, -1)
-            mixed = (prob.unsqueeze(-1) * j).sum(0)  # (m, P)
-            h.addmm_(sq.T, sq).addmm_(mixed.T, mixed, alpha=-1.0)
-            return None
-        onehot = torch.zeros_like(prob).scatter_(0, torch.where(valid, y, 0).unsqueeze(0), 1.0)
-        r = prob - onehot * vf  # dNLL/dlogits (C, m)
-        return torch.einsum("cm,cmp->p", r, j)
-
-    def _regression_target(self, target: Tensor, block: _Block) -> Tensor:
-        y = target.reshape(-1).to(block.out.dtype)
-        if y.numel() != math.prod(block.shape):
-            raise ValueError(
-                f"sample {block.i}: the regression target has {y.numel()} entries, the output "
-                f"{math.prod(block.shape)} (shape {tuple(block.shape)})"
-            )
-        return y
-
-    def _class_target(self, target: Tensor, block: _Block) -> Tensor:
-        if target.is_floating_point() or target.is_complex():
-            raise TypeError(
-                f"sample {block.i}: classification targets must be class indices; got dtype "
-                f"{target.dtype}"
-            )
-        y = target.reshape(-1).long()
-        positions = math.prod(block.shape[1:])
-        if y.numel() != positions:
-            raise ValueError(
-                f"sample {block.i}: the classification target has {y.numel()} positions, the "
-                f"logits {positions} (output shape {tuple(block.shape)})"
-            )
-        return y
+        regression = self.likelihood is Likelihood.REGRESSION
+        y = y[a:b].to(out.dtype) if regression else y[a:b]
+        valid = None if regression else y != self.ignore_index
+        rows = out.reshape(1, -1) if regression else out.unsqueeze(0)
+        self.loss += float(nll_sum(rows, y.unsqueeze(0), self.likelihood, 1.0, self.ignore_index))
+        self.n_outputs += out.numel() if regression else 0
+        if self.hessian is HessianKind.EMPIRICAL:
+            return jac.T @ output_gradient(out, y, self.likelihood, valid)
+        root, mixed = ggn_factors(out, jac, self.likelihood, valid)
+        h.addmm_(root.T, root)
+        if mixed is not None:
+            h.addmm_(mixed.T, mixed, alpha=-1.0)
+        return None
 
     # ------------------------------------------------------------------ posterior
     @property
@@ -419,8 +402,8 @@ class SubnetLaplace:
             raise ValueError(f"method must be 'marglik'; got {method!r}")
         structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
         n_steps = check_positive_int(n_steps, "n_steps")
-        lr = _positive(lr, "lr")
-        init = _positive(init_prior_prec, "init_prior_prec")
+        lr = check_positive_number(lr, "lr")
+        init = check_positive_number(init_prior_prec, "init_prior_prec")
         self._fitted()
         k = 1 if structure is PriorStructure.SCALAR else len(self.subset.names)
         log_prec = torch.full((k,), math.log(init), dtype=self.mean.dtype, device=self.mean.device)
@@ -470,7 +453,7 @@ class SubnetLaplace:
         n_samples = check_positive_int(n_samples, "n_samples")
         generator = check_generator(generator)
         chol = self.posterior_scale
-        packed = self._pack(inputs)
+        packed = self._prep.pack(inputs)
         n = packed.num_samples
         means: list[list[Tensor]] = [[] for _ in range(n)]
         variances: list[list[Tensor]] = [[] for _ in range(n)]
@@ -516,6 +499,7 @@ class SubnetLaplace:
         prob_out = (
             _stack_or_list([_join(b, s, cls) for b, s in zip(probs, shapes)]) if cls else None
         )
+        self._warn_fallbacks()
         return GLMPredictive(
             mean,
             variance,
@@ -543,7 +527,7 @@ class SubnetLaplace:
         n_samples = check_positive_int(n_samples, "n_samples")
         linearized = check_bool(linearized, "linearized")
         thetas = self.sample(n_samples, generator=generator)  # (S, P)
-        packed = self._pack(inputs)
+        packed = self._prep.pack(inputs)
         n = packed.num_samples
         cls = self.likelihood is Likelihood.CLASSIFICATION
         out: list[Tensor] = []
@@ -562,10 +546,11 @@ class SubnetLaplace:
                 for i in range(n):
                     levels = tuple(packed.sample(i))
                     rows = [
-                        _raw_output(fn, tuple(self.subset.split(theta).values()), levels)[0]
+                        raw_output(fn, tuple(self.subset.split(theta).values()), levels)[0]
                         for theta in thetas
                     ]
                     out.append(torch.stack(rows))
+        self._warn_fallbacks()
         return _stack_or_list(out, dim=1)
 
     # ------------------------------------------------------------------ internals
@@ -574,77 +559,131 @@ class SubnetLaplace:
             raise RuntimeError("SubnetLaplace is not fitted: call fit(data) first")
         return self.H
 
-    def _pack(self, inputs: Any) -> PackedBatch:
-        packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
-        return packed.to(self.mean.device)
-
-    def _function(self, packed: PackedBatch) -> PerSampleFunction:
-        return PerSampleFunction(
-            self.model,
-            self.subset,
-            packed.kind,
-            _Capture(self.output_fn),
-            eval_batch_norm=self._eval_bn,
+    def _function(
+        self, packed: PackedBatch, output_fn: Callable[[Any], Any] | None = None
+    ) -> PerSampleFunction:
+        return self._prep.function(
+            packed, output_fn=output_fn or Capture(self.output_fn, "SubnetLaplace")
         )
 
+    def _budget(
+        self, packed: PackedBatch, shapes: list[torch.Size], options: EngineOptions
+    ) -> tuple[int, int | None]:
+        """Bytes of Jacobian rows held at once (3 copies of each: rows, a copy, a product) and
+        the engine's ``memory_budget``, from :attr:`memory_budget`: the ``(P, P)`` curvature and
+        its factor, and the engine's working set for the rows (asked of the engine itself, for
+        the rows of one output position of the largest sample) must fit."""
+        if self.memory_budget is None:
+            return DEFAULT_JACOBIAN_BYTES, None
+        p, s = self.subset.numel, self.mean.element_size()
+        kept = 2 * p * p * s + 4 * p * s
+        cls = self.likelihood is Likelihood.CLASSIFICATION
+        i = packed.largest_sample
+        least = int(shapes[i][0]) if cls else 1  # the rows of one output position
+        try:  # the engine's own minimum for those rows (it plans, then refuses a 1-byte budget)
+            probe = dataclasses.replace(options, memory_budget=1, strict=False)
+            self._engine(packed.select([i]), _span_fn(self.output_fn, 0, 1, cls), probe)
+            engine = 0
+        except MemoryBudgetError as err:
+            engine = err.minimum
+        ours = 3 * p * s  # per row: the rows, a copy, a product
+        if kept + least * ours + engine > self.memory_budget:
+            raise MemoryBudgetError(
+                self.memory_budget,
+                kept + least * ours + engine,
+                f"the curvature and its factor over P={p} entries take {kept} bytes, the "
+                f"Jacobian rows of one output position {least * ours} and the engine computing "
+                f"them {engine}",
+            )
+        # the engine's working set grows by about 3 rows per row (its result, the outputs and
+        # the per-sample pieces)
+        grows = 3 * (p + 1) * s
+        base = max(0, engine - least * grows)
+        rows = max(least, (self.memory_budget - kept - base) // (ours + grows))
+        return rows * ours, self.memory_budget - kept - rows * ours
+
     def _jacobians(self, packed: PackedBatch) -> Iterator[_Block]:
-        """The Jacobian rows of every sample, in sample order, a chunk of samples (or, for one
-        sample above the budget, of its output positions) at a time."""
+        """The Jacobian rows of every sample with the outputs of the same pass, in sample order,
+        a chunk of samples (or, for one sample above the budget, of its output positions) at a
+        time."""
         fn = self._function(packed)
         values = fn.values()
         n = packed.num_samples
-        per_row = max(1, self.subset.numel * self.mean.element_size() * 3)  # rows, copy, product
-        outs: list[Tensor] = []
         with torch.no_grad():
-            for i in range(n):
-                outs.append(_raw_output(fn, values, tuple(packed.sample(i)))[0].detach())
+            shapes = [raw_output(fn, values, tuple(packed.sample(i))).shape[1:] for i in range(n)]
+        per_row = max(1, self.subset.numel * self.mean.element_size() * 3)
+        options = EngineOptions(
+            entries=self.entries,
+            chunk_size=self.chunk_size,
+            randomness=self._prep.randomness,
+            strict=self.strict,
+        )
+        row_bytes, engine_budget = self._budget(packed, shapes, options)
+        options = dataclasses.replace(options, memory_budget=engine_budget)
+        most = self.chunk_size or n
         start = 0
         while start < n:
-            stop, rows = start + 1, outs[start].numel()
-            while stop < n and (rows + outs[stop].numel()) * per_row <= self.memory_budget:
-                rows += outs[stop].numel()
+            stop, rows = start + 1, math.prod(shapes[start])
+            while (
+                stop < n
+                and stop - start < most
+                and (rows + math.prod(shapes[stop])) * per_row <= row_bytes
+            ):
+                rows += math.prod(shapes[stop])
                 stop += 1
-            if rows * per_row <= self.memory_budget or stop - start > 1:
+            if rows * per_row > row_bytes and stop - start == 1:  # slices of its positions
+                yield from self._sliced(packed, start, shapes[start], row_bytes, options)
+            else:
                 idx = list(range(start, stop))
-                res = self._engine(_subbatch(packed, idx), None)
+                res = self._engine(packed.select(idx), None, options)
                 for k, i in enumerate(idx):
-                    out = self._rows(outs[i])
-                    span = (0, out.shape[-1])
-                    yield _Block(
-                        i, out, res.jacobian[k, : res.output_sizes[k]], span, outs[i].shape
-                    )
-            else:  # one sample above the budget: slices of its output positions
-                yield from self._sliced(packed, start, outs[start], per_row)
+                    o = res.output_sizes[k]
+                    out = self._rows(res.outputs[k, :o], shapes[i])
+                    yield _Block(i, out, res.jacobian[k, :o], (0, out.shape[-1]), shapes[i])
             start = stop
 
-    def _rows(self, out: Tensor) -> Tensor:
-        """A sample's output as block rows: ``(C, positions)`` or ``(entries,)``."""
+    def _rows(self, flat: Tensor, shape: torch.Size) -> Tensor:
+        """A sample's flat outputs as block rows: ``(C, positions)`` or ``(entries,)``."""
         if self.likelihood is Likelihood.CLASSIFICATION:
-            if out.dim() == 0:
+            if len(shape) == 0:
                 raise ValueError("classification needs logits with a class dim; got a scalar")
-            return out.reshape(out.shape[0], -1)
-        return out.reshape(-1)
+            return flat.reshape(shape[0], -1)
+        return flat.reshape(-1)
 
-    def _sliced(self, packed: PackedBatch, i: int, out: Tensor, per_row: int) -> Iterator[_Block]:
-        one = _subbatch(packed, [i])
-        rows = self._rows(out)
+    def _sliced(
+        self,
+        packed: PackedBatch,
+        i: int,
+        shape: torch.Size,
+        row_bytes: int,
+        options: EngineOptions,
+    ) -> Iterator[_Block]:
+        one = packed.select([i])
         cls = self.likelihood is Likelihood.CLASSIFICATION
-        width = rows.shape[-1]
-        step = max(1, self.memory_budget // (per_row * (rows.shape[0] if cls else 1)))
+        width = math.prod(shape[1:]) if cls else math.prod(shape)
+        per_row = max(1, self.subset.numel * self.mean.element_size() * 3)
+        step = max(1, row_bytes // (per_row * (shape[0] if cls else 1)))
         for a in range(0, width, step):
             b = min(width, a + step)
-            res = self._engine(one, _span_fn(self.output_fn, a, b, cls))
-            yield _Block(i, rows[..., a:b], res.jacobian[0], (a, b), out.shape)
+            res = self._engine(one, _span_fn(self.output_fn, a, b, cls), options)
+            rows = res.output_sizes[0]
+            out = self._rows(res.outputs[0, :rows], shape)
+            yield _Block(i, out, res.jacobian[0, :rows], (a, b), shape)
 
-    def _engine(self, packed: PackedBatch, output_fn: Callable[[Any], Any] | None) -> Any:
-        return per_sample_jacobian(
-            self.model,
-            packed,
-            params=self.subset,
-            output_fn=output_fn or self.output_fn,
-            batch_norm=self.batch_norm,
-            entries=self.entries,
-        )
+    def _engine(
+        self,
+        packed: PackedBatch,
+        output_fn: Callable[[Any], Any] | None,
+        options: EngineOptions,
+    ) -> Any:
+        fn = self._prep.function(packed, output_fn=output_fn or self.output_fn)
+        res = run_engine(fn, packed, options)
+        self._fallbacks.append(res.fallback or "")
+        return res
+
+    def _warn_fallbacks(self) -> None:
+        fallbacks, self._fallbacks = self._fallbacks, []
+        warn_fallback(fallbacks)
 
     def _vector(self, value: Any, what: str, positive: bool) -> Tensor:
         """A number, ``(P,)``, one value per selected tensor (sequence or dict) -> ``(P,)``."""
@@ -696,14 +735,6 @@ class SubnetLaplace:
 
 
 # ---------------------------------------------------------------------- helpers
-def _positive(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a positive number; got {value!r}")
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{what} must be a positive number; got {value!r}")
-    return float(value)
-
-
 def _cholesky(mat: Tensor) -> Tensor:
     chol, info = torch.linalg.cholesky_ex(mat)
     if int(info) != 0:

@@ -47,9 +47,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from ._ops import numeric_padding
 from .adapter import PerSampleFunction
 from .enums import LayerRule
-from .structured import numeric_padding
 from .subset import ParamSubset
 
 __all__ = [
@@ -454,10 +454,12 @@ def batched_run(
     temp_bytes: int = DEFAULT_TEMP_BYTES,
     create_graph: bool = False,
     check: bool = True,
+    random: bool = False,
 ) -> tuple[list[Tensor], Tensor, LayerwiseRun]:
     """The model on stacked samples ``levels`` (``(n, C_l, *spatial_l)``) with the layer-wise
     hooks. Returns the inputs (made to require grad: the backward passes stop there), the
     output after ``output_fn`` ``(n, ...)`` and the run to call :meth:`LayerwiseRun.backward` on.
+    ``random``: the model draws random masks (dropout in train mode), one per sample here.
 
     Raises:
         NotLayerwiseError: with ``check``, sample 0 run alone differs from its batched result
@@ -470,12 +472,44 @@ def batched_run(
     if not isinstance(out, Tensor):
         raise NotLayerwiseError(f"the model returned a {type(out).__name__}, not a tensor")
     if check:
-        check_separable(fn, levels, out)
+        check_separable(fn, levels, out, random=random)
     return lv, out, run
 
 
-def check_separable(fn: PerSampleFunction, levels: list[Tensor], out: Tensor) -> None:
-    """Sample 0 run alone (batch of one) must give what it gave in the batch."""
+class _NoDropout(TorchFunctionMode):
+    """Dropout as the identity (the separability check of a random model)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        return func(*args, **kwargs)
+
+
+_DROPOUTS = {
+    F.dropout,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+    torch.dropout,
+}
+
+
+def check_separable(
+    fn: PerSampleFunction, levels: list[Tensor], out: Tensor, *, random: bool = False
+) -> None:
+    """Sample 0 run alone (batch of one) must give what it gave in the batch; for a
+    ``random`` model both runs are repeated with dropout off (two samples batched)."""
+    if random:
+        with torch.no_grad(), _NoDropout():
+            out = fn.call_batch([t[:2] for t in levels])
+        with _NoDropout():
+            check_separable(fn, [t[:2] for t in levels], out)
+        return
     with torch.no_grad():
         alone = fn.call(fn.params, tuple(t[0] for t in levels)).reshape(-1)
     batched = out[0].detach().reshape(-1)

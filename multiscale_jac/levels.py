@@ -27,27 +27,29 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import _get_current_function_mode_stack
 
 from ._checks import check_bool
-from .enums import FallbackWarning
-from .masked import (
-    _BINARY,
-    _SAVES_OUTPUT_INPLACE,
-    _SINGULAR,
-    _UNARY,
-    _ZERO_PRESERVING_INPLACE,
-    MaskedMode,
-    UnsupportedOpError,
-    _avg_divisor,
-    _bind_op,
-    _ntuple,
-    _op_name,
-    _pool_args,
-    _tensors,
-    _zero_preserving,
+from ._ops import (
+    BINARY,
+    SAVES_OUTPUT_INPLACE,
+    SINGULAR,
+    UNARY,
+    ZERO_PRESERVING_INPLACE,
+    RuleMode,
+    avg_divisor,
+    bind_op,
+    ntuple,
+    numeric_padding,
+    op_name,
+    pool_args,
+    require_more_than_one,
+    tensors,
+    with_input,
+    zero_preserving,
 )
-from .structured import numeric_padding
+from .enums import FallbackWarning, UnsupportedOpError
+from .masked import MaskedMode
 
 __all__ = ["AUTO_PACKING", "CanvasMode", "LevelOutputs", "canvas_layout", "map_levels"]
 
@@ -115,27 +117,7 @@ def map_levels(
             in batch size or channels, a ``gutter`` that is not a non-negative int.
         TypeError: A ``module`` that is not callable, a ``strict`` that is not a bool.
     """
-    if not callable(module):
-        raise TypeError(f"module must be callable; got {type(module).__name__}")
-    strict = check_bool(strict, "strict")
-    if packing not in ("auto", "canvas", "loop"):
-        raise ValueError(f"unknown packing {packing!r}; expected 'auto', 'canvas' or 'loop'")
-    if gutter is not None and (
-        not isinstance(gutter, int) or isinstance(gutter, bool) or gutter < 0
-    ):
-        raise ValueError(f"gutter must be a non-negative int; got {gutter!r}")
-    levels = list(levels)
-    if not levels:
-        raise ValueError("map_levels got an empty list of levels")
-    for k, x in enumerate(levels):
-        if not isinstance(x, Tensor) or x.dim() != 4:
-            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"level {k} must be a (B, C, H, W) tensor; got {shape}")
-        if x.shape[:2] != levels[0].shape[:2]:
-            raise ValueError(
-                f"level {k} has batch/channels {tuple(x.shape[:2])} but level 0 has "
-                f"{tuple(levels[0].shape[:2])}; all levels must share B and C"
-            )
+    levels, strict = _check_arguments(module, levels, packing, gutter, strict)
     chosen = packing
     if packing == "auto":
         chosen = AUTO_PACKING.get(levels[0].device.type, _AUTO_PACKING_OTHER)
@@ -162,7 +144,7 @@ def map_levels(
                 "output",
                 None,
                 "the module's output is not a spatial map with one box per level",
-                context="map_levels canvas",
+                context=mode.context,
             )
     except UnsupportedOpError as err:
         if strict:
@@ -175,6 +157,34 @@ def map_levels(
             )
         return loop(str(err))
     return LevelOutputs(_cut(out, out_boxes), "canvas", packing)
+
+
+def _check_arguments(
+    module: Any, levels: Sequence[Tensor], packing: str, gutter: int | None, strict: bool
+) -> tuple[list[Tensor], bool]:
+    """:func:`map_levels`'s arguments checked: the levels as a list and ``strict``."""
+    if not callable(module):
+        raise TypeError(f"module must be callable; got {type(module).__name__}")
+    strict = check_bool(strict, "strict")
+    if packing not in ("auto", "canvas", "loop"):
+        raise ValueError(f"unknown packing {packing!r}; expected 'auto', 'canvas' or 'loop'")
+    if gutter is not None and (
+        not isinstance(gutter, int) or isinstance(gutter, bool) or gutter < 0
+    ):
+        raise ValueError(f"gutter must be a non-negative int; got {gutter!r}")
+    levels = list(levels)
+    if not levels:
+        raise ValueError("map_levels got an empty list of levels")
+    for k, x in enumerate(levels):
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"level {k} must be a (B, C, H, W) tensor; got {shape}")
+        if x.shape[:2] != levels[0].shape[:2]:
+            raise ValueError(
+                f"level {k} has batch/channels {tuple(x.shape[:2])} but level 0 has "
+                f"{tuple(levels[0].shape[:2])}; all levels must share B and C"
+            )
+    return levels, strict
 
 
 def canvas_layout(
@@ -194,10 +204,10 @@ def _geometry(module: Any) -> tuple[int, int]:
     mods = module.modules() if isinstance(module, nn.Module) else []
     for m in mods:
         if isinstance(m, (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)):
-            k = _ntuple(m.kernel_size, 2)
-            d = _ntuple(getattr(m, "dilation", 1), 2)
-            p = m.padding if isinstance(m.padding, str) else _ntuple(m.padding, 2)
-            s = _ntuple(m.stride if m.stride is not None else k, 2)
+            k = ntuple(m.kernel_size, 2)
+            d = ntuple(getattr(m, "dilation", 1), 2)
+            p = m.padding if isinstance(m.padding, str) else ntuple(m.padding, 2)
+            s = ntuple(m.stride if m.stride is not None else k, 2)
             if isinstance(p, str):
                 p = tuple(dd * (kk - 1) // 2 for dd, kk in zip(d, k))
             r = max(max(pp, dd * (kk - 1) - pp + ss - 1) for pp, dd, kk, ss in zip(p, d, k, s))
@@ -265,24 +275,24 @@ def _cut(out: Tensor, boxes: Sequence[Box]) -> list[Tensor]:
 
 
 # ---------------------------------------------------------------------- the canvas mode
-class CanvasMode(TorchFunctionMode):
+class CanvasMode(RuleMode):
     """Track level boxes on canvas tensors and re-zero outside them after every op."""
 
+    context = "map_levels canvas"
+    no_rule = "no canvas rule for this op"
+    root = "<module>"
+
     def __init__(self, module: Any) -> None:
-        super().__init__()
+        super().__init__(module)
         self._boxes: dict[int, tuple[Any, list[Box]]] = {}
         self._masks: dict[Any, Tensor] = {}
-        self._names = (
-            {id(m): n for n, m in module.named_modules()} if isinstance(module, nn.Module) else {}
-        )
 
-    def boxes(self, t: Any) -> list[Box] | None:
+    def region(self, t: Any) -> list[Box] | None:
+        """The level boxes of ``t`` (``None`` if it is not a tracked canvas)."""
         entry = self._boxes.get(id(t)) if isinstance(t, Tensor) else None
         return entry[1] if entry is not None and entry[0] is t else None
 
-    def region(self, t: Any) -> list[Box] | None:
-        """Alias of :meth:`boxes` (shared helpers ask for ``region``)."""
-        return self.boxes(t)
+    boxes = region
 
     def track(self, t: Tensor, boxes: list[Box]) -> Tensor:
         self._boxes[id(t)] = (t, boxes)
@@ -302,50 +312,10 @@ class CanvasMode(TorchFunctionMode):
     def rezero(self, out: Tensor, boxes: list[Box]) -> Tensor:
         return self.track(torch.where(self.mask(boxes, out.shape, out.device), out, 0), boxes)
 
-    def unsupported(self, func: Any, reason: str) -> UnsupportedOpError:
-        import sys
 
-        frame = sys._getframe(1)
-        module = None
-        while frame is not None:
-            obj = frame.f_locals.get("self")
-            if isinstance(obj, nn.Module) and id(obj) in self._names:
-                module = self._names[id(obj)] or "<module>"
-                break
-            frame = frame.f_back
-        return UnsupportedOpError(_op_name(func), module, reason, context="map_levels canvas")
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        tracked = [t for t in _tensors(args, kwargs) if self.boxes(t) is not None]
-        if not tracked:
-            return func(*args, **kwargs)
-        rule = _CANVAS_RULES.get(func)
-        if rule is None:
-            out = func(*args, **kwargs)
-            if any(True for _ in _tensors((out,), {})):
-                raise self.unsupported(func, "no canvas rule for this op")
-            return out
-        return rule(self, func, args, kwargs)
-
-
-_CANVAS_RULES: dict[Any, Callable[..., Any]] = {}
-
-
-def _crule(*funcs: Any) -> Callable:
-    def reg(fn: Callable) -> Callable:
-        for f in funcs:
-            _CANVAS_RULES[f] = fn
-        return fn
-
-    return reg
-
-
-def _common_boxes(mode: CanvasMode, func: Any, tensors: Sequence[Tensor]) -> list[Box]:
+def _common_boxes(mode: CanvasMode, func: Any, operands: Sequence[Tensor]) -> list[Box]:
     found = None
-    for t in tensors:
+    for t in operands:
         b = mode.boxes(t)
         if b is None:
             if t.dim() >= 2 and t.numel() > 1 and t.shape[-1] > 1 and t.shape[-2] > 1:
@@ -358,34 +328,31 @@ def _common_boxes(mode: CanvasMode, func: Any, tensors: Sequence[Tensor]) -> lis
     return found  # type: ignore[return-value]
 
 
+@CanvasMode.rule(*UNARY, *BINARY, *SINGULAR, F.batch_norm)
 def _elementwise(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Any:
-    tensors = list(_tensors(args, kwargs))
-    boxes = _common_boxes(mode, func, tensors)
-    if func is F.batch_norm and _bind_op("batch_norm", args, kwargs)["training"]:
+    operands = list(tensors(args, kwargs))
+    boxes = _common_boxes(mode, func, operands)
+    if func is F.batch_norm and bind_op("batch_norm", args, kwargs)["training"]:
         raise mode.unsupported(
             func, "BatchNorm with batch statistics (they would mix levels and gutters)"
         )
-    if func in _SAVES_OUTPUT_INPLACE:
+    if func in SAVES_OUTPUT_INPLACE:
         raise mode.unsupported(func, "an in-place op whose backward reads its output")
-    if func in _SINGULAR:  # keep gutters away from 0 where the op is singular
+    if func in SINGULAR:  # keep gutters away from 0 where the op is singular
         args = tuple(
             torch.where(mode.mask(mode.boxes(a), a.shape, a.device), a, 1.0)
-            if mode.boxes(a) is not None and i in _SINGULAR[func]
+            if mode.boxes(a) is not None and i in SINGULAR[func]
             else a
             for i, a in enumerate(args)
         )
     out = func(*args, **kwargs)
     if not isinstance(out, Tensor):
         return out
-    if any(out is t for t in tensors) or kwargs.get("inplace", False):
-        if func not in _ZERO_PRESERVING_INPLACE and not _zero_preserving(func, args, kwargs, mode):
+    if any(out is t for t in operands) or kwargs.get("inplace", False):
+        if func not in ZERO_PRESERVING_INPLACE and not zero_preserving(func, args, kwargs, mode):
             out.masked_fill_(~mode.mask(boxes, out.shape, out.device), 0)
         return mode.track(out, boxes)
     return mode.rezero(out, boxes)
-
-
-for _f in (*_UNARY, *_BINARY, *_SINGULAR, F.batch_norm):
-    _CANVAS_RULES[_f] = _elementwise
 
 
 def _window(
@@ -413,7 +380,7 @@ def _window(
                 o -= 1
             if o < 1:
                 raise ValueError(
-                    f"{_op_name(func)}: a level of size {(h, w)} is too small for kernel {tuple(kernel)}"
+                    f"{op_name(func)}: a level of size {(h, w)} is too small for kernel {tuple(kernel)}"
                 )
             sizes.append(o)
         out.append((y // stride[0], x // stride[1], sizes[0], sizes[1]))
@@ -432,14 +399,14 @@ def _window(
     return out
 
 
-@_crule(torch.conv2d)
+@CanvasMode.rule(torch.conv2d)
 def _conv(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("conv", args, kwargs)
+    b = bind_op("conv", args, kwargs)
     x, w = b["input"], b["weight"]
     if mode.boxes(w) is not None:
         raise mode.unsupported(func, "a canvas as conv weight")
     kernel = tuple(w.shape[2:])
-    stride, dilation = _ntuple(b["stride"], 2), _ntuple(b["dilation"], 2)
+    stride, dilation = ntuple(b["stride"], 2), ntuple(b["dilation"], 2)
     padding = numeric_padding(b["padding"], dilation, kernel)
     if padding is None:
         raise mode.unsupported(func, "padding='same' with an even kernel")
@@ -447,25 +414,25 @@ def _conv(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.rezero(func(*args, **kwargs), boxes)
 
 
-@_crule(F.max_pool2d, torch.max_pool2d)
+@CanvasMode.rule(F.max_pool2d, torch.max_pool2d)
 def _max_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("max_pool", args, kwargs)
+    b = bind_op("max_pool", args, kwargs)
     if b["return_indices"]:
         raise mode.unsupported(func, "return_indices=True")
     x = b["input"]
-    kernel, stride, padding = _pool_args(b, 2)
-    dilation = _ntuple(b["dilation"], 2)
+    kernel, stride, padding = pool_args(b, 2)
+    dilation = ntuple(b["dilation"], 2)
     boxes = _window(mode, func, mode.boxes(x), kernel, stride, padding, dilation, b["ceil_mode"])
     filled = torch.where(mode.mask(mode.boxes(x), x.shape, x.device), x, -math.inf)
-    out = func(filled, *args[1:], **kwargs) if args else func(**{**kwargs, "input": filled})
-    return mode.rezero(out, boxes)
+    new_args, new_kwargs = with_input(args, kwargs, filled)
+    return mode.rezero(func(*new_args, **new_kwargs), boxes)
 
 
-@_crule(F.avg_pool2d)
+@CanvasMode.rule(F.avg_pool2d)
 def _avg_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("avg_pool", args, kwargs)
+    b = bind_op("avg_pool", args, kwargs)
     x = b["input"]
-    kernel, stride, padding = _pool_args(b, 2)
+    kernel, stride, padding = pool_args(b, 2)
     in_boxes = mode.boxes(x)
     boxes = _window(mode, func, in_boxes, kernel, stride, padding, (1, 1), b["ceil_mode"])
     sums = F.avg_pool2d(x, kernel, stride, padding, b["ceil_mode"], True, 1)
@@ -474,32 +441,32 @@ def _avg_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     # PyTorch's divisor for every level's own size, pasted at the level's output box
     sizes = torch.tensor([[h, w] for _, _, h, w in in_boxes], device=x.device)
     extent = (max(oh for _, _, oh, _ in boxes), max(ow for _, _, _, ow in boxes))
-    table = _avg_divisor(sizes, extent, kernel, stride, padding, b["count_include_pad"], x.dtype)
+    table = avg_divisor(sizes, extent, kernel, stride, padding, b["count_include_pad"], x.dtype)
     divisor = torch.ones(sums.shape[-2:], dtype=x.dtype, device=x.device)
     for level, (oy, ox, oh, ow) in enumerate(boxes):
         divisor[oy : oy + oh, ox : ox + ow] = table[level, :oh, :ow]
     return mode.rezero(sums / divisor, boxes)
 
 
-@_crule(F.interpolate)
+@CanvasMode.rule(F.interpolate)
 def _interpolate(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("interpolate", args, kwargs)
+    b = bind_op("interpolate", args, kwargs)
     if (
         b["mode"] not in ("nearest", "nearest-exact")
         or b["size"] is not None
         or b["scale_factor"] is None
     ):
         raise mode.unsupported(func, "only nearest upsampling by an integer scale_factor")
-    sy, sx = (int(s) for s in _ntuple(b["scale_factor"], 2))
-    if any(float(s) != int(s) for s in _ntuple(b["scale_factor"], 2)):
+    sy, sx = (int(s) for s in ntuple(b["scale_factor"], 2))
+    if any(float(s) != int(s) for s in ntuple(b["scale_factor"], 2)):
         raise mode.unsupported(func, "a non-integer scale_factor")
     boxes = [(y * sy, x * sx, h * sy, w * sx) for y, x, h, w in mode.boxes(b["input"])]
     return mode.rezero(func(*args, **kwargs), boxes)
 
 
-@_crule(torch.cat)
+@CanvasMode.rule(torch.cat)
 def _cat(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("cat", args, kwargs)
+    b = bind_op("cat", args, kwargs)
     if b["dim"] % 4 != 1:
         raise mode.unsupported(func, "concatenation other than along channels")
     boxes = _common_boxes(mode, func, list(b["tensors"]))
@@ -522,19 +489,21 @@ def _per_level_normalise(
     return mode.track(canvas.unflatten(-1, (height, width)), boxes)
 
 
-@_crule(F.group_norm)
+@CanvasMode.rule(F.group_norm)
 def _group_norm(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("group_norm", args, kwargs)
+    b = bind_op("group_norm", args, kwargs)
     x = b["input"]
     return _per_level_normalise(mode, x, b["num_groups"], b["eps"], b["weight"], b["bias"])
 
 
-@_crule(F.instance_norm)
+@CanvasMode.rule(F.instance_norm)
 def _instance_norm(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("instance_norm", args, kwargs)
+    b = bind_op("instance_norm", args, kwargs)
     x = b["input"]
     if not b["use_input_stats"]:
         return _elementwise(mode, func, args, kwargs)
     if b["running_mean"] is not None:
         raise mode.unsupported(func, "InstanceNorm updating running statistics")
+    pixels = torch.tensor([h * w for _, _, h, w in mode.boxes(x)])
+    require_more_than_one(pixels, func, mode.context, "level")
     return _per_level_normalise(mode, x, x.shape[1], b["eps"], b["weight"], b["bias"])

@@ -9,9 +9,10 @@ into a ragged vector, ...). Ops whose padded result can differ from the unpadded
 special rule (max pooling fills padding with ``-inf``; norms use masked statistics); ops with no
 exact rule raise :class:`UnsupportedOpError` naming the op and the module that called it.
 
-Mechanism: a ``torch.overrides.TorchFunctionMode`` that sees every torch function the model
-calls, inside ``vmap``/``jacrev``/``jvp`` (the transforms trace the Python function once per
-call, so the mode runs once per vectorised call). Regions are *concrete* tables over the whole
+Mechanism: a ``torch.overrides.TorchFunctionMode`` (``_ops.RuleMode``, the rule-table mode that
+level packing shares, with the op tables) that sees every torch function the model calls, inside
+``vmap``/``jacrev``/``jvp`` (the transforms trace the Python function once per call, so the mode
+runs once per vectorised call). Regions are *concrete* tables over the whole
 batch, ``(N, *extent)`` booleans; inside ``vmap`` each sample picks its row through a batched
 sample index. Concrete tables keep every rule's checks (equal regions for binary ops, a kernel
 that fits every sample) plain Python, which vmap's batched values could not do.
@@ -22,20 +23,38 @@ flow and works on any module (see ``docs/padded.md``).
 from __future__ import annotations
 
 import math
-import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
+from ._ops import (
+    BINARY,
+    SAVES_OUTPUT_INPLACE,
+    SIGNATURES,
+    SINGULAR,
+    UNARY,
+    ZERO_PRESERVING_INPLACE,
+    RuleMode,
+    avg_divisor,
+    bind_op,
+    named,
+    ntuple,
+    op_name,
+    pairs,
+    pool_args,
+    require_more_than_one,
+    tensors,
+    with_input,
+    zero_preserving,
+)
 from .enums import UnsupportedOpError
 
-__all__ = ["MaskedMode", "Region", "SUPPORTED_OPS", "UnsupportedOpError"]
+__all__ = ["MaskedMode", "PaddedFunction", "Region", "SUPPORTED_OPS", "UnsupportedOpError"]
 
 
 # ---------------------------------------------------------------------- regions
@@ -138,21 +157,7 @@ def compact(region: Region | None) -> Region | None:
 
 
 # ---------------------------------------------------------------------- the mode
-Rule = Callable[["MaskedMode", Callable, tuple, dict], Any]
-_RULES: dict[Any, Rule] = {}
-
-
-def _rule(*funcs: Any) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        for f in funcs:
-            if f is not None:
-                _RULES[f] = fn
-        return fn
-
-    return register
-
-
-class MaskedMode(TorchFunctionMode):
+class MaskedMode(RuleMode):
     """Track regions and re-zero after every op (see the module docstring).
 
     Args:
@@ -161,11 +166,14 @@ class MaskedMode(TorchFunctionMode):
         model: Used to name the module of an unsupported op in errors.
     """
 
+    context = "padded execution"
+    no_rule = "no exact rule for this op on padded inputs"
+    root = "<model>"
+
     def __init__(self, sample_index: Tensor, model: nn.Module | None = None) -> None:
-        super().__init__()
+        super().__init__(model)
         self._index = sample_index.reshape(1)
         self._regions: dict[int, tuple[weakref.ref, Region]] = {}
-        self._module_names = {} if model is None else {id(m): n for n, m in model.named_modules()}
 
     # -------------------------------------------------------------- bookkeeping
     def region(self, t: Any) -> Region | None:
@@ -207,328 +215,14 @@ class MaskedMode(TorchFunctionMode):
             return t
         return torch.where(self.mask(region, t.dim()), t, value)
 
-    def unsupported(self, func: Any, reason: str) -> UnsupportedOpError:
-        return UnsupportedOpError(_op_name(func), self._current_module(), reason)
-
-    def _current_module(self) -> str | None:
-        frame = sys._getframe(1)
-        while frame is not None:
-            obj = frame.f_locals.get("self")
-            if isinstance(obj, nn.Module) and id(obj) in self._module_names:
-                return self._module_names[id(obj)] or "<model>"
-            frame = frame.f_back
-        return None
-
-    # -------------------------------------------------------------- dispatch
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if not any(self.region(t) is not None for t in _tensors(args, kwargs)):
-            return func(*args, **kwargs)
-        rule = _RULES.get(func)
-        if rule is not None:
-            return rule(self, func, args, kwargs)
-        out = func(*args, **kwargs)
-        if any(True for _ in _tensors((out,), {})):
-            raise self.unsupported(func, "no exact rule for this op on padded inputs")
-        return out  # shape/dtype queries and the like
-
-
-def _tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, Tensor):
-                    yield b
-
-
-def _op_name(func: Any) -> str:
-    """How users write the op: ``F.conv2d``-style, ``torch.cat``-style or ``Tensor.view``."""
-    name = getattr(func, "__name__", None) or repr(func)
-    qual = getattr(func, "__qualname__", "") or ""
-    if getattr(F, name, None) is func or "boolean_dispatch" in qual:
-        return f"F.{name}"
-    if qual.startswith(("TensorBase.", "Tensor.")) or getattr(torch.Tensor, name, None) is func:
-        return f"Tensor.{name}"
-    if getattr(torch, name, None) is func:
-        return f"torch.{name}"
-    module = getattr(func, "__module__", "") or ""
-    return f"F.{name}" if module.startswith("torch.nn.functional") else f"torch.{name}"
-
-
-def _bind(
-    args: tuple, kwargs: dict, names: Sequence[str], defaults: dict[str, Any]
-) -> dict[str, Any]:
-    out = dict(defaults)
-    out.update(zip(names, args))
-    out.update(kwargs)
-    return out
-
-
-#: Argument names (positional order) and defaults of the functional ops whose arguments rules
-#: read; shared by the padded rules, the canvas rules (``levels``) and ``structured``.
-SIGNATURES: dict[str, tuple[list[str], dict[str, Any]]] = {
-    "conv": (
-        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
-        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-    ),
-    "max_pool": (
-        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"],
-        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
-    ),
-    "avg_pool": (
-        [
-            "input",
-            "kernel_size",
-            "stride",
-            "padding",
-            "ceil_mode",
-            "count_include_pad",
-            "divisor_override",
-        ],
-        {
-            "stride": None,
-            "padding": 0,
-            "ceil_mode": False,
-            "count_include_pad": True,
-            "divisor_override": None,
-        },
-    ),
-    "interpolate": (
-        [
-            "input",
-            "size",
-            "scale_factor",
-            "mode",
-            "align_corners",
-            "recompute_scale_factor",
-            "antialias",
-        ],
-        {
-            "size": None,
-            "scale_factor": None,
-            "mode": "nearest",
-            "align_corners": None,
-            "recompute_scale_factor": None,
-            "antialias": False,
-        },
-    ),
-    "batch_norm": (
-        ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"],
-        {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
-    ),
-    "group_norm": (
-        ["input", "num_groups", "weight", "bias", "eps"],
-        {"weight": None, "bias": None, "eps": 1e-5},
-    ),
-    "layer_norm": (
-        ["input", "normalized_shape", "weight", "bias", "eps"],
-        {"weight": None, "bias": None, "eps": 1e-5},
-    ),
-    "instance_norm": (
-        [
-            "input",
-            "running_mean",
-            "running_var",
-            "weight",
-            "bias",
-            "use_input_stats",
-            "momentum",
-            "eps",
-        ],
-        {
-            "running_mean": None,
-            "running_var": None,
-            "weight": None,
-            "bias": None,
-            "use_input_stats": True,
-            "momentum": 0.1,
-            "eps": 1e-5,
-        },
-    ),
-    "linear": (["input", "weight", "bias"], {"bias": None}),
-    "cat": (["tensors", "dim"], {"dim": 0}),
-}
-
-
-def _bind_op(kind: str, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The arguments of a call of a :data:`SIGNATURES` op by name, defaults filled in."""
-    names, defaults = SIGNATURES[kind]
-    return _bind(args, kwargs, names, defaults)
-
-
-def _with_input(args: tuple, kwargs: dict, new: Tensor) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with the first argument (``input``) replaced by ``new``."""
-    if args:
-        return (new, *args[1:]), kwargs
-    return (), {**kwargs, "input": new}
-
-
-def _ntuple(x: Any, n: int) -> tuple:
-    if isinstance(x, (list, tuple)):
-        return tuple(x) if len(x) == n else tuple(x) * n if len(x) == 1 else tuple(x)
-    return (x,) * n
-
 
 # ---------------------------------------------------------------------- elementwise
-#: pure elementwise activations (out of place), shared with the structured forward pass
-#: (``entries``), which keeps a pending tangent through them
-ACTIVATIONS = [
-    torch.relu,
-    F.relu,
-    torch.Tensor.relu,
-    F.relu6,
-    F.leaky_relu,
-    F.elu,
-    F.selu,
-    F.celu,
-    F.gelu,
-    F.silu,
-    F.mish,
-    F.hardswish,
-    F.hardsigmoid,
-    F.hardtanh,
-    F.softplus,
-    F.softsign,
-    F.sigmoid,
-    torch.sigmoid,
-    torch.Tensor.sigmoid,
-    F.tanh,
-    torch.tanh,
-    torch.Tensor.tanh,
-    F.prelu,
-]
-_UNARY = [
-    *ACTIVATIONS,
-    torch.relu_,
-    torch.Tensor.relu_,
-    F.tanhshrink,
-    F.logsigmoid,
-    torch.exp,
-    torch.Tensor.exp,
-    torch.abs,
-    torch.Tensor.abs,
-    torch.neg,
-    torch.Tensor.neg,
-    torch.clamp,
-    torch.Tensor.clamp,
-    torch.clip,
-    torch.Tensor.clip,
-    torch.square,
-    torch.Tensor.square,
-    torch.sin,
-    torch.Tensor.sin,
-    torch.cos,
-    torch.Tensor.cos,
-    torch.erf,
-    torch.Tensor.erf,
-    F.dropout,
-    F.dropout1d,
-    F.dropout2d,
-    F.dropout3d,
-    F.alpha_dropout,
-    torch.Tensor.contiguous,
-    torch.Tensor.clone,
-    torch.clone,
-    torch.Tensor.detach,
-    torch.Tensor.to,
-    torch.Tensor.float,
-    torch.Tensor.double,
-    torch.Tensor.half,
-    torch.Tensor.type_as,
-    torch.Tensor.gt,
-    torch.Tensor.lt,
-    torch.Tensor.ge,
-    torch.Tensor.le,
-    torch.gt,
-    torch.lt,
-    torch.ge,
-    torch.le,
-    torch.Tensor.clamp_,
-    torch.Tensor.mul_,
-    torch.Tensor.add_,
-    torch.Tensor.sub_,
-    torch.Tensor.div_,
-    torch.Tensor.sigmoid_,
-    torch.sigmoid_,
-    torch.Tensor.tanh_,
-    torch.tanh_,
-    torch.zeros_like,
-    torch.ones_like,
-    torch.full_like,
-    torch.rand_like,
-    torch.randn_like,
-    torch.empty_like,
-]
-_BINARY = [
-    torch.add,
-    torch.Tensor.add,
-    torch.Tensor.__add__,
-    torch.Tensor.__radd__,
-    torch.sub,
-    torch.Tensor.sub,
-    torch.Tensor.__sub__,
-    torch.Tensor.__rsub__,
-    torch.mul,
-    torch.Tensor.mul,
-    torch.Tensor.__mul__,
-    torch.Tensor.__rmul__,
-    torch.maximum,
-    torch.minimum,
-    torch.where,
-    torch.Tensor.where,
-    torch.Tensor.masked_fill,
-]
-#: Ops that are singular at 0 (value or derivative): their padded inputs are set to 1 first, so
-#: that no inf/nan is produced there (``where`` would hide it in the forward pass but not in the
-#: backward pass).
-_SINGULAR = {
-    torch.div: (1,),
-    torch.Tensor.div: (1,),
-    torch.Tensor.__truediv__: (1,),
-    torch.Tensor.__rtruediv__: (0,),
-    torch.Tensor.__rdiv__: (0,),
-    torch.true_divide: (1,),
-    torch.log: (0,),
-    torch.Tensor.log: (0,),
-    torch.sqrt: (0,),
-    torch.Tensor.sqrt: (0,),
-    torch.rsqrt: (0,),
-    torch.Tensor.rsqrt: (0,),
-    torch.reciprocal: (0,),
-    torch.Tensor.reciprocal: (0,),
-    torch.pow: (0,),
-    torch.Tensor.pow: (0,),
-    torch.Tensor.__pow__: (0,),
-    torch.Tensor.__rpow__: (0,),
-    torch.log2: (0,),
-    torch.log10: (0,),
-    torch.Tensor.div_: (1,),
-}
-#: In-place ops that keep zeros zero (their output must not be modified again: autograd may have
-#: saved it).
-_ZERO_PRESERVING_INPLACE = {
-    torch.relu_,
-    torch.Tensor.relu_,
-    torch.Tensor.mul_,
-    torch.Tensor.div_,  # its padded divisor is set to 1 first (_SINGULAR)
-    torch.tanh_,
-    torch.Tensor.tanh_,
-}
-#: In-place ops that do not keep zeros zero and whose backward uses their output: re-zeroing
-#: that output in place would corrupt the saved tensor, so they are unsupported.
-_SAVES_OUTPUT_INPLACE = {torch.sigmoid_, torch.Tensor.sigmoid_, torch.exp_, torch.Tensor.exp_}
-
-
 def _common_region(
-    mode: MaskedMode, func: Any, tensors: Sequence[Tensor], out_ndim: int
+    mode: MaskedMode, func: Any, operands: Sequence[Tensor], out_ndim: int
 ) -> Region | None:
     """The one region every tracked tensor has (dims aligned for broadcasting), else raise."""
     found: Region | None = None
-    for t in tensors:
+    for t in operands:
         r = mode.region(t)
         if r is None:
             continue
@@ -545,27 +239,27 @@ def _common_region(
     return found
 
 
-@_rule(*_UNARY, *_BINARY, *_SINGULAR)
+@MaskedMode.rule(*UNARY, *BINARY, *SINGULAR)
 def _elementwise(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Any:
-    tensors = list(_tensors(args, kwargs))
-    if func in _SAVES_OUTPUT_INPLACE:
+    operands = list(tensors(args, kwargs))
+    if func in SAVES_OUTPUT_INPLACE:
         raise mode.unsupported(
             func,
             "an in-place op that does not keep 0 at 0 and whose backward reads its output "
             "(re-zeroing the padding would modify a saved tensor); use the out-of-place form",
         )
-    if func in _SINGULAR:
+    if func in SINGULAR:
         args = list(args)
-        for pos in _SINGULAR[func]:
+        for pos in SINGULAR[func]:
             if pos < len(args) and mode.region(args[pos]) is not None:
                 args[pos] = mode.fill(args[pos], mode.region(args[pos]), 1.0)
         args = tuple(args)
     out = func(*args, **kwargs)
     if not isinstance(out, Tensor):
         return out
-    region = _common_region(mode, func, tensors, out.dim())
+    region = _common_region(mode, func, operands, out.dim())
     if region is not None and region.ordered:
-        for t in tensors:
+        for t in operands:
             if mode.region(t) is None and t.numel() > 1:
                 shift = out.dim() - t.dim()
                 if any(0 <= d - shift < t.dim() and t.shape[d - shift] > 1 for d in region.group):
@@ -574,36 +268,12 @@ def _elementwise(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Any:
                         "an unpadded tensor combined position by position with a flattened "
                         "padded one (positions differ from the unpadded model's)",
                     )
-    inplace = any(out is t for t in tensors) or kwargs.get("inplace", False)
+    inplace = any(out is t for t in operands) or kwargs.get("inplace", False)
     if inplace:
-        if func not in _ZERO_PRESERVING_INPLACE and not _zero_preserving(func, args, kwargs, mode):
+        if func not in ZERO_PRESERVING_INPLACE and not zero_preserving(func, args, kwargs, mode):
             out.masked_fill_(~mode.mask(region, out.dim()), 0)
         return mode.track(out, region)
     return mode.rezero(out, region)
-
-
-def _zero_preserving(func: Any, args: tuple, kwargs: dict, mode: MaskedMode) -> bool:
-    """In-place ops that map 0 to 0 given these arguments."""
-    if func in (F.relu, F.relu6, F.leaky_relu, F.elu, F.hardtanh):
-        if func is F.hardtanh:
-            lo = _bind(
-                args, kwargs, ["input", "min_val", "max_val"], {"min_val": -1.0, "max_val": 1.0}
-            )
-            return lo["min_val"] <= 0 <= lo["max_val"]
-        return True
-    if func in (torch.Tensor.add_, torch.Tensor.sub_):
-        other = args[1] if len(args) > 1 else kwargs.get("other")
-        return mode.region(other) is not None or (not isinstance(other, Tensor) and other == 0)
-    if func is torch.Tensor.clamp_:
-        b = _bind(args, kwargs, ["input", "min", "max"], {"min": None, "max": None})
-        lo, hi = b["min"], b["max"]
-        return (
-            not isinstance(lo, Tensor)
-            and not isinstance(hi, Tensor)
-            and (lo is None or lo <= 0)
-            and (hi is None or hi >= 0)
-        )
-    return False
 
 
 # ---------------------------------------------------------------------- spatial helpers
@@ -659,7 +329,7 @@ def _out_sizes(
         if bool((o < 1).any()):
             i = int((o < 1).nonzero()[0, 0])
             raise ValueError(
-                f"padded execution: {_op_name(func)}: sample {i} has valid size {tuple(sizes[i].tolist())} "
+                f"padded execution: {op_name(func)}: sample {i} has valid size {tuple(sizes[i].tolist())} "
                 f"along the spatial dims, too small for kernel {tuple(kernel)} (the unpadded model fails too)"
             )
         out.append(o)
@@ -667,17 +337,17 @@ def _out_sizes(
 
 
 # ---------------------------------------------------------------------- convolution
-@_rule(torch.conv1d, torch.conv2d, torch.conv3d)
+@MaskedMode.rule(torch.conv1d, torch.conv2d, torch.conv3d)
 def _conv(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("conv", args, kwargs)
+    b = bind_op("conv", args, kwargs)
     x, w = b["input"], b["weight"]
     if mode.region(w) is not None or (b["bias"] is not None and mode.region(b["bias"]) is not None):
         raise mode.unsupported(func, "a padded tensor as conv weight")
     nsp = w.dim() - 2
     region = _spatial_region(mode, func, x, nsp)
     kernel = tuple(w.shape[2:])
-    stride = _ntuple(b["stride"], nsp)
-    dilation = _ntuple(b["dilation"], nsp)
+    stride = ntuple(b["stride"], nsp)
+    dilation = ntuple(b["dilation"], nsp)
     padding = b["padding"]
     if padding == "valid":
         padding = (0,) * nsp
@@ -690,33 +360,26 @@ def _conv(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
         return mode.rezero(
             out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim()))
         )
-    padding = _ntuple(padding, nsp)
+    padding = ntuple(padding, nsp)
     sizes = _out_sizes(mode, func, region.sizes, kernel, stride, padding, dilation)
     out = func(*args, **kwargs)
     return mode.rezero(out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim())))
 
 
 # ---------------------------------------------------------------------- pooling
-def _pool_args(b: dict, nsp: int) -> tuple:
-    kernel = _ntuple(b["kernel_size"], nsp)
-    stride = _ntuple(b["stride"] if b["stride"] not in (None, [], ()) else kernel, nsp)
-    padding = _ntuple(b["padding"], nsp)
-    return kernel, stride, padding
-
-
-def _max_pool(nsp: int) -> Rule:
+def _max_pool(nsp: int) -> Callable[..., Tensor]:
     def rule(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-        b = _bind_op("max_pool", args, kwargs)
+        b = bind_op("max_pool", args, kwargs)
         if b["return_indices"]:
             raise mode.unsupported(func, "return_indices=True (indices refer to padded positions)")
         x = b["input"]
         region = _spatial_region(mode, func, x, nsp)
-        kernel, stride, padding = _pool_args(b, nsp)
-        dilation = _ntuple(b["dilation"], nsp)
+        kernel, stride, padding = pool_args(b, nsp)
+        dilation = ntuple(b["dilation"], nsp)
         sizes = _out_sizes(
             mode, func, region.sizes, kernel, stride, padding, dilation, b["ceil_mode"]
         )
-        new_args, new_kwargs = _with_input(args, kwargs, mode.fill(x, region, -math.inf))
+        new_args, new_kwargs = with_input(args, kwargs, mode.fill(x, region, -math.inf))
         out = func(*new_args, **new_kwargs)
         return mode.rezero(
             out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim()))
@@ -725,20 +388,20 @@ def _max_pool(nsp: int) -> Rule:
     return rule
 
 
-_rule(F.max_pool1d, torch.max_pool1d)(_max_pool(1))
-_rule(F.max_pool2d, torch.max_pool2d)(_max_pool(2))
-_rule(F.max_pool3d, torch.max_pool3d)(_max_pool(3))
+MaskedMode.rule(F.max_pool1d, torch.max_pool1d)(_max_pool(1))
+MaskedMode.rule(F.max_pool2d, torch.max_pool2d)(_max_pool(2))
+MaskedMode.rule(F.max_pool3d, torch.max_pool3d)(_max_pool(3))
 
 _AVG_POOL = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3}
 
 
-@_rule(*_AVG_POOL)
+@MaskedMode.rule(*_AVG_POOL)
 def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     nsp = _AVG_POOL[func]
-    b = _bind_op("avg_pool", args, kwargs)
+    b = bind_op("avg_pool", args, kwargs)
     x = b["input"]
     region = _spatial_region(mode, func, x, nsp)
-    kernel, stride, padding = _pool_args(b, nsp)
+    kernel, stride, padding = pool_args(b, nsp)
     sizes = _out_sizes(
         mode, func, region.sizes, kernel, stride, padding, (1,) * nsp, b["ceil_mode"]
     )
@@ -757,7 +420,7 @@ def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
             (1,) * sums.dim(), float(b["divisor_override"]), dtype=sums.dtype, device=sums.device
         )
     else:
-        table = _avg_divisor(
+        table = avg_divisor(
             region.sizes, out_extent, kernel, stride, padding, b["count_include_pad"], x.dtype
         )
         divisor = table.index_select(0, mode._index.to(table.device))[0].reshape(
@@ -765,36 +428,6 @@ def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
         )
     out = sums / divisor
     return mode.rezero(out, Region.box(sizes, out_extent, range(out.dim() - nsp, out.dim())))
-
-
-def _avg_divisor(
-    sizes: Tensor,
-    out_extent: Sequence[int],
-    kernel: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    count_include_pad: bool,
-    dtype: torch.dtype,
-) -> Tensor:
-    """Per-sample divisor table ``(N, *out_extent)`` as PyTorch computes it for inputs of valid
-    size ``sizes`` ``(N, d)`` (1 where the output is padding, to avoid dividing by zero)."""
-    n = sizes.shape[0]
-    dev = sizes.device
-    table = torch.ones((n, *out_extent), dtype=dtype, device=dev)
-    for k, m in enumerate(out_extent):
-        o = torch.arange(m, device=dev).unsqueeze(0)  # (1, m)
-        s_in = sizes[:, k : k + 1]  # (N, 1)
-        start = o * stride[k] - padding[k]
-        end = torch.minimum(start + kernel[k], s_in + padding[k])
-        if count_include_pad:
-            count = end - start
-        else:
-            count = torch.minimum(end, s_in) - torch.clamp(start, min=0)
-        count = torch.clamp(count, min=1).to(dtype)
-        shape = [n] + [1] * len(out_extent)
-        shape[1 + k] = m
-        table = table * count.reshape(shape)
-    return table
 
 
 _ADAPTIVE = {
@@ -807,11 +440,11 @@ _ADAPTIVE = {
 }
 
 
-@_rule(*_ADAPTIVE)
+@MaskedMode.rule(*_ADAPTIVE)
 def _adaptive_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     nsp, kind = _ADAPTIVE[func]
-    b = _bind(args, kwargs, ["input", "output_size", "return_indices"], {"return_indices": False})
-    size = _ntuple(b["output_size"], nsp)
+    b = bind_op("adaptive_pool", args, kwargs)
+    size = ntuple(b["output_size"], nsp)
     if any(s != 1 for s in size) or b["return_indices"]:
         raise mode.unsupported(
             func,
@@ -823,21 +456,12 @@ def _adaptive_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Te
 
 
 # ---------------------------------------------------------------------- reductions
-_REDUCE = {
-    torch.sum: "sum",
-    torch.Tensor.sum: "sum",
-    torch.mean: "mean",
-    torch.Tensor.mean: "mean",
-    torch.amax: "amax",
-    torch.Tensor.amax: "amax",
-    torch.amin: "amin",
-    torch.Tensor.amin: "amin",
-}
+_REDUCE = {f: kind for kind in ("sum", "mean", "amax", "amin") for f in pairs(kind)}
 
 
-@_rule(*_REDUCE)
+@MaskedMode.rule(*_REDUCE)
 def _reduce(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(args, kwargs, ["input", "dim", "keepdim"], {"dim": None, "keepdim": False})
+    b = bind_op("reduce", args, kwargs)
     if "dtype" in kwargs:
         raise mode.unsupported(func, "dtype= in a reduction")
     x = b["input"]
@@ -845,7 +469,7 @@ def _reduce(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         dims = tuple(range(x.dim()))
     else:
-        dims = tuple(d % x.dim() for d in _ntuple(dim, 1))
+        dims = tuple(d % x.dim() for d in ntuple(dim, 1))
     return _reduce_impl(mode, func, x, dims, b["keepdim"], _REDUCE[func])
 
 
@@ -907,16 +531,9 @@ def _after_reduce(region: Region, dims: tuple[int, ...], keepdim: bool, ndim: in
 
 
 # ---------------------------------------------------------------------- softmax
-@_rule(
-    F.softmax,
-    torch.softmax,
-    torch.Tensor.softmax,
-    F.log_softmax,
-    torch.log_softmax,
-    torch.Tensor.log_softmax,
-)
+@MaskedMode.rule(*pairs("softmax log_softmax"), F.softmax, F.log_softmax)
 def _softmax(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind(args, kwargs, ["input", "dim"], {"dim": None})
+    b = bind_op("softmax", args, kwargs)
     x = b["input"]
     if b["dim"] is None:
         raise mode.unsupported(func, "softmax without dim")
@@ -925,16 +542,16 @@ def _softmax(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     if dim in region.touched:
         if region.ordered and region.group != (dim,):
             raise mode.unsupported(func, "softmax over one dim of a flattened padded group")
-        new_args, new_kwargs = _with_input(args, kwargs, mode.fill(x, region, -math.inf))
+        new_args, new_kwargs = with_input(args, kwargs, mode.fill(x, region, -math.inf))
         return mode.rezero(func(*new_args, **new_kwargs), region)
     out = func(*args, **kwargs)
     return mode.rezero(out, region)
 
 
 # ---------------------------------------------------------------------- upsampling
-@_rule(F.interpolate)
+@MaskedMode.rule(F.interpolate)
 def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("interpolate", args, kwargs)
+    b = bind_op("interpolate", args, kwargs)
     x = b["input"]
     nsp = x.dim() - 2
     if b["mode"] not in ("nearest", "nearest-exact"):
@@ -947,7 +564,7 @@ def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tens
             func,
             "size= would give every sample the same (padded) target size, not its own; use an integer scale_factor",
         )
-    scale = _ntuple(b["scale_factor"], nsp)
+    scale = ntuple(b["scale_factor"], nsp)
     if any(float(s) != int(s) or int(s) < 1 for s in scale):
         raise mode.unsupported(
             func, f"scale_factor={b['scale_factor']!r} is not a positive integer"
@@ -959,22 +576,22 @@ def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tens
 
 
 # ---------------------------------------------------------------------- concatenation
-@_rule(torch.cat, torch.concat, torch.concatenate)
+@MaskedMode.rule(torch.cat, torch.concat, torch.concatenate)
 def _cat(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("cat", args, kwargs)
-    tensors = list(b["tensors"])
+    b = bind_op("cat", args, kwargs)
+    parts = list(b["tensors"])
     out = func(*args, **kwargs)
     dim = b["dim"] % out.dim()
-    regions = [mode.region(t) for t in tensors]
+    regions = [mode.region(t) for t in parts]
     if all(r is None or dim not in r.dims for r in regions):
-        return mode.rezero(out, _common_region(mode, func, tensors, out.dim()))
+        return mode.rezero(out, _common_region(mode, func, parts, out.dim()))
     # along a padded dim: the real elements of the result in row-major order are those of the
     # inputs in order, if no padded dim comes before ``dim`` (ordered inputs) and, for boxes,
     # the other dims agree (as the unpadded model's shapes must)
     n = next(r for r in regions if r is not None).table.shape[0]
     tables, rest = [], None
     group = {dim}
-    for t, r in zip(tensors, regions):
+    for t, r in zip(parts, regions):
         full = (
             torch.ones((n, *t.shape), dtype=torch.bool, device=out.device)
             if r is None
@@ -1003,13 +620,13 @@ def _cat(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.rezero(out, Region(tuple(range(out.dim())), table, None, tuple(sorted(group))))
 
 
-@_rule(torch.stack)
+@MaskedMode.rule(torch.stack)
 def _stack(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("cat", args, kwargs)
-    tensors = list(b["tensors"])
+    b = bind_op("cat", args, kwargs)
+    parts = list(b["tensors"])
     out = func(*args, **kwargs)
     dim = b["dim"] % out.dim()
-    region = _common_region(mode, func, tensors, tensors[0].dim())
+    region = _common_region(mode, func, parts, parts[0].dim())
     if region is None:
         return out
     shifted = region.moved(lambda d: d + (1 if d >= dim else 0))
@@ -1017,16 +634,8 @@ def _stack(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
 
 
 # ---------------------------------------------------------------------- layout
-@_rule(
-    torch.Tensor.view,
-    torch.Tensor.reshape,
-    torch.reshape,
-    torch.Tensor.flatten,
-    torch.flatten,
-    torch.Tensor.unflatten,
-    torch.unflatten,
-    torch.Tensor.view_as,
-    torch.Tensor.reshape_as,
+@MaskedMode.rule(
+    *pairs("reshape flatten unflatten"), *named(torch.Tensor, "view view_as reshape_as")
 )
 def _reshape(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     x = args[0] if args else kwargs["input"]
@@ -1097,16 +706,7 @@ def _reshape_blocks(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[i
     return blocks
 
 
-@_rule(
-    torch.Tensor.permute,
-    torch.permute,
-    torch.Tensor.transpose,
-    torch.transpose,
-    torch.Tensor.movedim,
-    torch.movedim,
-    torch.Tensor.t,
-    torch.t,
-)
+@MaskedMode.rule(*pairs("permute transpose movedim t"))
 def _permute(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     x = args[0] if args else kwargs["input"]
     out = func(*args, **kwargs)
@@ -1132,7 +732,7 @@ def _dim_order(func: Any, args: tuple, kwargs: dict, ndim: int) -> list[int]:
         a, b = rest[0] % ndim, rest[1] % ndim
         order[a], order[b] = order[b], order[a]
         return order
-    src, dst = _ntuple(rest[0], 1), _ntuple(rest[1], 1)
+    src, dst = ntuple(rest[0], 1), ntuple(rest[1], 1)
     src = [s % ndim for s in src]
     dst = [d % ndim for d in dst]
     remaining = [d for d in order if d not in src]
@@ -1143,14 +743,14 @@ def _dim_order(func: Any, args: tuple, kwargs: dict, ndim: int) -> list[int]:
     return [r if r is not None else next(it) for r in result]
 
 
-@_rule(torch.Tensor.squeeze, torch.squeeze, torch.Tensor.unsqueeze, torch.unsqueeze)
+@MaskedMode.rule(*pairs("squeeze unsqueeze"))
 def _squeeze(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     x = args[0] if args else kwargs["input"]
     out = func(*args, **kwargs)
     return mode.track(out, reshaped_region(mode.region(x), x.shape, out.shape))
 
 
-@_rule(torch.Tensor.expand, torch.Tensor.expand_as)
+@MaskedMode.rule(torch.Tensor.expand, torch.Tensor.expand_as)
 def _expand(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     x = args[0]
     out = func(*args, **kwargs)
@@ -1159,7 +759,7 @@ def _expand(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.track(out, region.moved(lambda d: d + shift))
 
 
-@_rule(torch.Tensor.__getitem__)
+@MaskedMode.rule(torch.Tensor.__getitem__)
 def _getitem(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     x, index = args[0], args[1]
     region = mode.region(x)
@@ -1196,22 +796,15 @@ def _getitem(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.track(out, region.moved(mapping.__getitem__))
 
 
-@_rule(
-    torch.chunk,
-    torch.Tensor.chunk,
-    torch.split,
-    torch.Tensor.split,
-    torch.unbind,
-    torch.Tensor.unbind,
-)
+@MaskedMode.rule(*pairs("chunk split unbind"))
 def _split(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, ...]:
     x = args[0] if args else kwargs["input"]
     if func in (torch.unbind, torch.Tensor.unbind):
-        dim = _bind(args, kwargs, ["input", "dim"], {"dim": 0})["dim"]
+        dim = bind_op("unbind", args, kwargs)["dim"]
     elif func in (torch.chunk, torch.Tensor.chunk):
-        dim = _bind(args, kwargs, ["input", "chunks", "dim"], {"dim": 0})["dim"]
+        dim = bind_op("chunk", args, kwargs)["dim"]
     else:
-        dim = _bind(args, kwargs, ["input", "split_size_or_sections", "dim"], {"dim": 0})["dim"]
+        dim = bind_op("split", args, kwargs)["dim"]
     dim %= x.dim()
     region = mode.region(x)
     if dim in region.touched:
@@ -1225,7 +818,7 @@ def _split(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> tuple[Tens
 
 
 # ---------------------------------------------------------------------- linear maps
-@_rule(F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+@MaskedMode.rule(F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 def _linear(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
     region = mode.region(x)
@@ -1243,7 +836,7 @@ def _linear(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.rezero(out, region)
 
 
-@_rule(torch.einsum)
+@MaskedMode.rule(torch.einsum)
 def _einsum(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     """Sums of products: padded zeros add nothing to a contraction, so an einsum is exact when
     every padded dim of every operand is either kept in the output or summed over as a whole,
@@ -1318,9 +911,9 @@ def _expand_ellipsis(spec: str, n_ell: int, max_ell: int) -> str:
 
 
 # ---------------------------------------------------------------------- normalisation
-@_rule(F.batch_norm)
+@MaskedMode.rule(F.batch_norm)
 def _batch_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("batch_norm", args, kwargs)
+    b = bind_op("batch_norm", args, kwargs)
     if b["training"]:
         raise mode.unsupported(func, "BatchNorm with batch statistics")
     region = mode.region(b["input"])
@@ -1329,16 +922,17 @@ def _batch_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
     return mode.rezero(func(*args, **kwargs), region)
 
 
-@_rule(F.group_norm)
+@MaskedMode.rule(F.group_norm)
 def _group_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("group_norm", args, kwargs)
+    b = bind_op("group_norm", args, kwargs)
     x = b["input"]
     region = mode.region(x)
     if 1 in region.touched or 0 in region.touched:
         raise mode.unsupported(func, "padding along the batch or channel dim")
     g = b["num_groups"]
     n1, c = x.shape[0], x.shape[1]
-    _require_more_than_one(region, x, c // g, func)
+    counts = region.full_table(x.shape)[:, 0, 0].flatten(1).sum(1)
+    require_more_than_one(counts * (c // g), func, mode.context, "sample")
     xg = x.reshape(n1, g, c // g, *x.shape[2:])
     greg = region.moved(lambda d: d + 1)
     dims = tuple(range(2, xg.dim()))
@@ -1352,12 +946,12 @@ def _group_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
     return mode.rezero(out, region)
 
 
-@_rule(F.layer_norm)
+@MaskedMode.rule(F.layer_norm)
 def _layer_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("layer_norm", args, kwargs)
+    b = bind_op("layer_norm", args, kwargs)
     x = b["input"]
     region = mode.region(x)
-    k = len(_ntuple(b["normalized_shape"], 1))
+    k = len(ntuple(b["normalized_shape"], 1))
     dims = tuple(range(x.dim() - k, x.dim()))
     if not set(dims) & set(region.dims):
         return mode.rezero(
@@ -1371,9 +965,9 @@ def _layer_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
     return mode.rezero(out, region)
 
 
-@_rule(F.instance_norm)
+@MaskedMode.rule(F.instance_norm)
 def _instance_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = _bind_op("instance_norm", args, kwargs)
+    b = bind_op("instance_norm", args, kwargs)
     x = b["input"]
     region = mode.region(x)
     if 1 in region.touched or 0 in region.touched:
@@ -1383,7 +977,8 @@ def _instance_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Te
     if b["running_mean"] is not None:
         raise mode.unsupported(func, "InstanceNorm updating running statistics in train mode")
     dims = tuple(range(2, x.dim()))
-    _require_more_than_one(region, x, 1, func)
+    counts = region.full_table(x.shape)[:, 0, 0].flatten(1).sum(1)
+    require_more_than_one(counts, func, mode.context, "sample")
     out = _masked_normalise(mode, x, region, dims, b["eps"])
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
     if b["weight"] is not None:
@@ -1391,17 +986,6 @@ def _instance_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Te
     if b["bias"] is not None:
         out = out + b["bias"].reshape(shape)
     return mode.rezero(out, region)
-
-
-def _require_more_than_one(region: Region, x: Tensor, per_position: int, func: Any) -> None:
-    """Instance/group norm of a single value raises in PyTorch; so must the padded run."""
-    count = region.full_table(x.shape)[:, 0, 0].flatten(1).sum(1) * per_position
-    if bool((count <= 1).any()):
-        i = int((count <= 1).nonzero()[0, 0])
-        raise ValueError(
-            f"padded execution: {_op_name(func)}: sample {i} normalises a single value; PyTorch "
-            "expects more than 1 value per group (the unpadded model fails too)"
-        )
 
 
 def _masked_normalise(
@@ -1421,21 +1005,10 @@ def _masked_normalise(
 
 
 # ---------------------------------------------------------------------- attention
-@_rule(F.scaled_dot_product_attention)
+@MaskedMode.rule(F.scaled_dot_product_attention)
 def _sdpa(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
-    b = _bind(
-        args,
-        kwargs,
-        names,
-        {
-            "attn_mask": None,
-            "dropout_p": 0.0,
-            "is_causal": False,
-            "scale": None,
-            "enable_gqa": False,
-        },
-    )
+    names = SIGNATURES["sdpa"][0]
+    b = bind_op("sdpa", args, kwargs)
     q, k, v = b["query"], b["key"], b["value"]
     rk = mode.region(k)
     if rk is not None:
@@ -1465,13 +1038,8 @@ def _sdpa(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
 
 
 # ---------------------------------------------------------------------- catalogue
-def _catalogue() -> list[str]:
-    names = sorted({_op_name(f) for f in _RULES})
-    return names
-
-
 #: Names of the ops with an exact rule (for the docs and error messages).
-SUPPORTED_OPS: tuple[str, ...] = tuple(_catalogue())
+SUPPORTED_OPS: tuple[str, ...] = tuple(sorted({op_name(f) for f in MaskedMode.rules}))
 
 
 # ---------------------------------------------------------------------- running a model padded

@@ -15,7 +15,7 @@ __all__ = ["ConvBlock", "SharedHeadFPN", "TinyFPN"]
 
 
 class ConvBlock(nn.Module):
-    """The third seed thread's model, as its user wrote it.
+    """A multi-scale conv block as users write it (one conv stack over a list of feature maps).
 
     Three 3x3 convs (no padding) applied to every feature map of a list; each level's output is
     viewed as ``(batch_size, -1, 8)`` and the levels are concatenated (``out_ch * H * W`` must

@@ -120,6 +120,15 @@ class PackedBatch:
         return 1.0 - valid / total if total else 0.0
 
     @property
+    def largest_sample(self) -> int:
+        """The index of the sample with the most elements, summed over levels (its working set
+        bounds the others')."""
+        sizes = [
+            sum(c * math.prod(s) for c, s in zip(self.channels, sig)) for sig in self.signatures
+        ]
+        return max(range(len(sizes)), key=sizes.__getitem__)
+
+    @property
     def masks(self) -> tuple[Tensor, ...]:
         """Boolean valid-region masks, one ``(N, *max_spatial_l)`` tensor per level."""
         if self._masks is None:
@@ -160,6 +169,29 @@ class PackedBatch:
             return [_crop_batched(t, s) for t, s in zip(self.levels, sig)]
         idx = torch.tensor(indices, device=self.device)
         return [_crop_batched(t.index_select(0, idx), s) for t, s in zip(self.levels, sig)]
+
+    def select(self, indices: Sequence[int]) -> PackedBatch:
+        """The samples ``indices`` (in that order) as a batch of the same kind and layout,
+        padded only to the selection's own largest sizes.
+
+        Raises:
+            ValueError: an empty selection or an index out of range.
+        """
+        indices = [int(i) for i in indices]
+        if not indices:
+            raise ValueError("select needs at least one sample index")
+        bad = [i for i in indices if not 0 <= i < self.num_samples]
+        if bad:
+            raise ValueError(f"sample index {bad[0]} out of range for {self.num_samples} samples")
+        sigs = [self.signatures[i] for i in indices]
+        idx = torch.tensor(indices, device=self.device)
+        levels = [
+            _crop_batched(
+                t.index_select(0, idx), [max(s[lvl][d] for s in sigs) for d in range(t.dim() - 2)]
+            )
+            for lvl, t in enumerate(self.levels)
+        ]
+        return PackedBatch(levels, sigs, self.kind, self.layout)
 
     def unpack(self) -> Any:
         """Return the input exactly as it was passed to :func:`pack`.

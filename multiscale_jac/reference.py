@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_model, check_output_fn, check_train_mode_layers
+from ._checks import prepare
 from .adapter import PerSampleFunction
-from .enums import BatchNormPolicy, Layout, Mode, Randomness, Strategy, parse_enum
-from .packing import PackedBatch, pack
+from .enums import BatchNormPolicy, Mode, Randomness, Strategy
+from .packing import PackedBatch
 from .result import JacobianResult, output_mask_from_sizes
-from .subset import ParamSubset, resolve_subset
+from .subset import ParamSubset
 
 __all__ = ["per_sample_jacobian_loop"]
 
@@ -41,27 +41,21 @@ def per_sample_jacobian_loop(
         A :class:`~multiscale_jac.result.JacobianResult` with ``strategy="loop"``,
         ``mode="rev"``; ``jacobian`` is ``(N, O, P)``.
     """
-    model = check_model(model)
-    output_fn = check_output_fn(output_fn)
-    batch_norm = parse_enum(BatchNormPolicy, batch_norm, "batch_norm")
-    randomness = parse_enum(Randomness, randomness, "randomness")
-    packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
-    subset = resolve_subset(params, model)
-    eval_bn = check_train_mode_layers(model, batch_norm, randomness)
-    fn = PerSampleFunction(
+    prep = prepare(
         model,
-        subset,
-        packed.kind,
-        output_fn,
-        eval_batch_norm=eval_bn,
-        tokens=packed.layout is Layout.NESTED,
+        inputs,
+        params=params,
+        output_fn=output_fn,
+        batch_norm=batch_norm,
+        randomness=randomness,
     )
-    jac, mask, sizes = loop_jacobian(fn, packed)
+    jac, outputs, sizes = loop_jacobian(prep.function(prep.packed), prep.packed)
     return JacobianResult(
         jacobian=jac,
-        output_mask=mask,
+        output_mask=output_mask_from_sizes(sizes, jac.device),
         output_sizes=sizes,
-        subset=subset,
+        outputs=outputs,
+        subset=prep.subset,
         strategy=Strategy.LOOP,
         mode=Mode.REV,
         requested_strategy=Strategy.LOOP,
@@ -71,12 +65,14 @@ def per_sample_jacobian_loop(
 
 def loop_jacobian(
     fn: PerSampleFunction, packed: PackedBatch
-) -> tuple[Tensor, Tensor | None, tuple[int, ...]]:
-    """The loop itself: ``(jacobian (N, O, P), output_mask (N, O) or None, output sizes)``."""
+) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+    """The loop itself: ``(jacobian (N, O, P), outputs (N, O), output sizes)``, padded rows
+    zero."""
     subset = fn.subset
     device = next(iter(fn.values())).device
     packed = packed.to(device)
     rows_per_sample: list[Tensor] = []
+    outs: list[Tensor] = []
     for i in range(packed.num_samples):
         levels = tuple(packed.sample(i))
         leaves = {n: fn.params[n].clone().requires_grad_(True) for n in subset.names}
@@ -92,11 +88,12 @@ def loop_jacobian(
                     for n, g in zip(leaves, grads)
                 }
                 rows.append(subset.flatten(full))
+        outs.append(out.detach())
         rows_per_sample.append(torch.stack(rows) if rows else out.new_zeros((0, subset.numel)))
     sizes = tuple(int(r.shape[0]) for r in rows_per_sample)
-    o_max = max(sizes)
-    first = rows_per_sample[0]
-    jac = first.new_zeros((packed.num_samples, o_max, subset.numel))
-    for i, r in enumerate(rows_per_sample):
+    jac = rows_per_sample[0].new_zeros((packed.num_samples, max(sizes), subset.numel))
+    outputs = jac.new_zeros(jac.shape[:2])
+    for i, (r, o) in enumerate(zip(rows_per_sample, outs)):
         jac[i, : r.shape[0]] = r
-    return jac, output_mask_from_sizes(sizes, jac.device), sizes
+        outputs[i, : o.numel()] = o
+    return jac, outputs, sizes

@@ -38,6 +38,8 @@ class JacobianResult:
         structured: The selected tensors whose columns came from the structured path
             (``entries``; forward: :mod:`~multiscale_jac.entries`, reverse:
             :mod:`~multiscale_jac.structured`); the others ran the generic path.
+        outputs: ``(N, O)``: every sample's flattened output from the same pass as its
+            Jacobian (the same random masks), padded rows zero.
     """
 
     jacobian: Tensor
@@ -53,6 +55,7 @@ class JacobianResult:
     fallback: str | None = field(default=None)
     notes: tuple[str, ...] = ()
     structured: tuple[str, ...] = ()
+    outputs: Tensor | None = None
 
     @property
     def num_samples(self) -> int:

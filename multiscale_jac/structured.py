@@ -15,8 +15,9 @@ the selected entries:
 * ``W[o, i]`` (linear): ``dY[..., o] += v_dot * x[..., i]``.
 
 Both functions set ``generate_vmap_rule`` so that they compose with ``vmap``, ``jvp`` and
-``jacrev``. :class:`StructuredMode` (a ``TorchFunctionMode``) swaps them in: the adapter gives the
-model a fresh alias of each such weight, and the mode recognises the alias when it reaches
+``jacrev``. :class:`StructuredMode` (a ``TorchFunctionMode``) swaps them in:
+:class:`StructuredFunction` gives the model a fresh alias of each such weight (those of
+:func:`rev_candidates`), and the mode recognises the alias when it reaches
 ``F.conv1d/conv2d/linear``; any other op that reads the alias gets the dense reparametrised
 weight instead (so weights used elsewhere, or twice, stay exact).
 
@@ -29,7 +30,7 @@ GEMM per tangent, not ``O(L)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,9 +38,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .masked import _bind_op, _ntuple, _tensors
+from ._ops import bind_op, ntuple, numeric_padding, tensors
+from .adapter import PerSampleFunction, dense_weight
 
-__all__ = ["StructuredMode", "dense_weight", "structured_kind"]
+__all__ = [
+    "StructuredFunction",
+    "StructuredMode",
+    "layer_roles",
+    "rev_candidates",
+    "selected_columns",
+    "structured_kind",
+]
 
 
 def structured_kind(module_types: set[type]) -> str | None:
@@ -54,9 +63,74 @@ def structured_kind(module_types: set[type]) -> str | None:
     return found.pop() if len(found) == 1 and None not in found else None
 
 
-def dense_weight(w0: Tensor, idx: Tensor, v: Tensor) -> Tensor:
-    """``w0`` with the entries at flat indices ``idx`` replaced by ``v`` (differentiable)."""
-    return w0.reshape(-1).index_put((idx,), v).view(w0.shape)
+def layer_roles(fn: PerSampleFunction) -> dict[str, tuple[str | None, str | None]]:
+    """For every selected tensor of ``fn``: the :func:`structured_kind` of the modules that own
+    it as their ``weight`` or ``bias``, and that role (``None`` if it has both or neither)."""
+    owners: dict[int, set[tuple[type, str]]] = {}
+    for m in fn.model.modules():
+        for role in ("weight", "bias"):
+            t = getattr(m, role, None)
+            if isinstance(t, Tensor):
+                owners.setdefault(id(t), set()).add((type(m), role))
+    params = fn.subset.check_model(fn.model)
+    out = {}
+    for name in fn.subset.names:
+        found = owners.get(id(params[name]), set())
+        roles = {r for _, r in found}
+        out[name] = (
+            structured_kind({t for t, _ in found}),
+            roles.pop() if len(roles) == 1 else None,
+        )
+    return out
+
+
+def rev_candidates(fn: PerSampleFunction) -> tuple[str, ...]:
+    """The selected tensors of ``fn`` that can take the structured reverse path: entries of
+    conv1d/conv2d/linear weights, at most half of a tensor (a larger share is cheaper through
+    the dense weight)."""
+    roles, params = layer_roles(fn), fn.params
+    return tuple(
+        n
+        for n in fn.subset.names
+        if fn.flat_indices[n] is not None
+        and 2 * fn.flat_indices[n].numel() <= params[n].numel()
+        and roles[n][0] is not None
+        and roles[n][1] == "weight"
+    )
+
+
+class StructuredFunction:
+    """``fn`` (called the same way, ``f(values, *levels) -> (O,)``) with the selected entries
+    of ``names`` differentiated through the structured functions (:class:`StructuredMode`).
+
+    Args:
+        fn: The per-sample function.
+        names: The tensors to run structured; those not in :func:`rev_candidates` are dropped.
+
+    Attributes:
+        names: The tensors that run structured, in ``names`` order.
+    """
+
+    def __init__(self, fn: PerSampleFunction, names: Sequence[str]) -> None:
+        candidates = rev_candidates(fn)
+        self.fn = fn
+        self.names = tuple(n for n in names if n in candidates)
+
+    def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
+        fn = self.fn
+        if not self.names:
+            return fn(values, *levels)
+        params = fn.params
+        entries = {}
+        for n, v in zip(fn.subset.names, values):
+            if n in self.names:
+                alias = params[n].view_as(params[n])  # a fresh object the mode knows
+                entries[id(alias)] = (alias, params[n], fn.flat_indices[n], v)
+                params[n] = alias
+            else:
+                params[n] = fn.place(n, v)
+        mode = StructuredMode(entries)
+        return fn.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
 
 
 def _conv_geometry(w0: Tensor, idx: Tensor, groups: int) -> tuple[Tensor, Tensor]:
@@ -79,26 +153,11 @@ def selected_columns(
     kernel = tuple(w0.shape[2:])
     if x.dim() == 3:
         x, kernel = x.unsqueeze(2), (1, *kernel)
-        stride = (1, *_ntuple(stride, 1))
-        padding = (0, *_ntuple(padding, 1))
-        dilation = (1, *_ntuple(dilation, 1))
+        stride = (1, *ntuple(stride, 1))
+        padding = (0, *ntuple(padding, 1))
+        dilation = (1, *ntuple(dilation, 1))
     cols = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C*K, L)
     return cols.index_select(1, rows)
-
-
-def numeric_padding(
-    padding: Any, dilation: tuple[int, ...], kernel: tuple[int, ...]
-) -> tuple | None:
-    """A conv's ``padding`` as numbers: ``'valid'`` -> zeros, ``'same'`` -> half the dilated
-    kernel, or ``None`` for ``'same'`` with an even dilated kernel (asymmetric padding)."""
-    nd = len(kernel)
-    if not isinstance(padding, str):
-        return _ntuple(padding, nd)
-    if padding == "valid":
-        return (0,) * nd
-    if any(d * (k - 1) % 2 for d, k in zip(dilation, kernel)):
-        return None
-    return tuple(d * (k - 1) // 2 for d, k in zip(dilation, kernel))
 
 
 class _SelectedConv(torch.autograd.Function):
@@ -217,11 +276,11 @@ class StructuredMode(TorchFunctionMode):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None:
-            b = _bind_op(handler[1], args, kwargs)
+            b = bind_op(handler[1], args, kwargs)
             e = self._entry(b["weight"])
             if e is not None:
                 return handler[0](b, e)
-        if not any(self._entry(a) is not None for a in _tensors(args, kwargs)):
+        if not any(self._entry(a) is not None for a in tensors(args, kwargs)):
             return func(*args, **kwargs)
 
         # any other use of a registered weight: the dense reparametrised weight
@@ -239,7 +298,7 @@ class StructuredMode(TorchFunctionMode):
 def _conv_nd(b: dict, e: tuple, nd: int) -> Tensor:
     _, w0, idx, v = e
     x = b["input"]
-    stride, dilation = _ntuple(b["stride"], nd), _ntuple(b["dilation"], nd)
+    stride, dilation = ntuple(b["stride"], nd), ntuple(b["dilation"], nd)
     padding = numeric_padding(b["padding"], dilation, tuple(w0.shape[2:]))
     if padding is None:  # asymmetric 'same': dense path
         conv = F.conv2d if nd == 2 else F.conv1d

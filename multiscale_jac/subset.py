@@ -190,50 +190,7 @@ class ParamSubset:
             sel[canon] = idx
         return cls(_layout_of(params), sel)
 
-    # ------------------------------------------------------------------ subnetwork selection
-    @classmethod
-    def largest_variance(
-        cls,
-        model: nn.Module,
-        data: Iterable[tuple[Any, Any]],
-        k: int,
-        *,
-        likelihood: str = "classification",
-        prior_precision: float = 1.0,
-        params: ParamSubset | str | Sequence[str] | None = None,
-        **fisher_kwargs: Any,
-    ) -> ParamSubset:
-        """The ``k`` entries with the largest marginal variance under a diagonal Laplace
-        (Daxberger et al. 2021): ``1 / (sum_i diag GGN_i + prior_precision)``.
-
-        Args:
-            model: The model at its MAP.
-            data: As for :func:`~multiscale_jac.diag_fisher` (one pass).
-            k: How many entries.
-            likelihood: ``classification`` or ``regression``.
-            prior_precision: Added to the summed diagonal GGN.
-            params: Candidate entries (default: every parameter).
-            **fisher_kwargs: Passed to :func:`~multiscale_jac.diag_fisher` (``sigma_noise``,
-                ``output_fn``, ``ignore_index``, ``batch_norm``, ``progress``, ...; ``kind``
-                defaults to ``exact``, the GGN, and ``empirical`` is cheaper for dense
-                outputs). Entries with zero curvature (dead units) get the prior variance,
-                the largest there is, although they change no prediction.
-
-        Raises:
-            ValueError: ``k`` out of range, or what ``diag_fisher`` raises.
-        """
-        from .fisher import diag_fisher
-
-        if isinstance(prior_precision, bool) or not isinstance(prior_precision, (int, float)):
-            raise TypeError(f"prior_precision must be a positive number; got {prior_precision!r}")
-        if not prior_precision > 0:
-            raise ValueError(f"prior_precision must be positive; got {prior_precision!r}")
-        fisher_kwargs.setdefault("progress", False)
-        fisher_kwargs.setdefault("kind", "exact")
-        res = diag_fisher(model, data, params=params, likelihood=likelihood, **fisher_kwargs)
-        variance = 1.0 / (res.flat * res.num_samples + prior_precision)
-        return cls._top(model, res.subset, variance, k, "largest_variance")
-
+    # ------------------------------------------------------------------ structural selections
     @classmethod
     def largest_magnitude(
         cls,
@@ -246,7 +203,7 @@ class ParamSubset:
         candidates = resolve_subset(params, model)
         values = candidates.values(model)
         scores = torch.cat([values[n].reshape(-1) for n in candidates.names]).abs()
-        return cls._top(model, candidates, scores, k, "largest_magnitude")
+        return cls.top(model, candidates, scores, k, "largest_magnitude")
 
     @classmethod
     def random(
@@ -284,9 +241,11 @@ class ParamSubset:
         return cls.from_names(model, [f"{last}.{n}" if last else n for n in owned])
 
     @classmethod
-    def _top(
-        cls, model: nn.Module, candidates: ParamSubset, scores: Tensor, k: int, what: str
+    def top(
+        cls, model: nn.Module, candidates: ParamSubset, scores: Tensor, k: int, what: str = "top"
     ) -> ParamSubset:
+        """The ``k`` entries of ``candidates`` with the largest ``scores`` (``(P,)`` in the
+        candidates' flat order); ``what`` names the caller in errors."""
         _check_k(k, candidates.numel, what)
         top = torch.topk(scores.detach().cpu(), k).indices
         return cls.from_flat_indices(model, candidates.flat_indices()[top])
@@ -448,9 +407,9 @@ class ParamSubset:
         return f"ParamSubset(numel={self._numel}, {{{shown}}})"
 
 
-def resolve_subset(params: Any, model: nn.Module) -> ParamSubset:
+def resolve_subset(params: Any, model: nn.Module, argname: str = "params") -> ParamSubset:
     """``None`` -> all parameters; a :class:`ParamSubset` -> checked against ``model``;
-    a string or list of strings -> :meth:`ParamSubset.from_names`."""
+    a string or list of strings -> :meth:`ParamSubset.from_names` (errors name ``argname``)."""
     if params is None:
         return ParamSubset.all(model)
     if isinstance(params, ParamSubset):
@@ -461,7 +420,7 @@ def resolve_subset(params: Any, model: nn.Module) -> ParamSubset:
     ):
         return ParamSubset.from_names(model, params)
     raise TypeError(
-        "params must be None, a ParamSubset, a parameter name/glob or a list of them; got "
+        f"{argname} must be None, a ParamSubset, a parameter name/glob or a list of them; got "
         f"{type(params).__name__}"
     )
 

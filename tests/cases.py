@@ -221,7 +221,7 @@ CASES: list[Case] = [
         glob="conv.0.*",
         ragged=True,
         ragged_outputs=True,
-        output_fn=lambda y: y.sum(dim=1),  # the seed's "operation to reduce the outputs"
+        output_fn=lambda y: y.sum(dim=1),  # the user's "operation to reduce the outputs"
         padded_unsupported="Tensor.sum: a reduction over part of a flattened padded group",
     ),
     Case(

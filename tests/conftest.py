@@ -53,3 +53,13 @@ def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return torch.device("cuda")
+
+
+def smallest_budget(call) -> int:
+    """The smallest ``memory_budget`` a call accepts: ``call(budget)`` with one byte raises the
+    library's too-small error, whose message states the minimum."""
+    import re
+
+    with pytest.raises(ValueError, match="below the estimated minimum") as err:
+        call(1)
+    return int(re.search(r"estimated minimum of (\d+) bytes", str(err.value)).group(1))

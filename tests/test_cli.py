@@ -65,31 +65,67 @@ def test_module_entry_point() -> None:
 
 
 def test_bench_help_and_suites(capsys) -> None:
-    from multiscale_jac import _bench, cli
+    from multiscale_jac import cli
 
-    assert tuple(_bench.SUITES) == cli._SUITES
+    suites = list(cli._load_driver().SUITES)  # the one list of suites: benchmarks/driver.py
+    assert suites and all((cli._benchmarks_dir() / f"{s}.py").is_file() for s in suites)
     with pytest.raises(SystemExit) as info:
         main(["bench", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
     for word in ("--quick", "--device", "--out", "--suites", "report.md", "results.json"):
         assert word in out
+    assert all(s in out for s in suites)
+
+
+def test_bench_driver_imports_no_torch() -> None:
+    """The driver is loaded for ``bench --help``; it imports torch only when it measures."""
+    from multiscale_jac import cli
+
+    path = str(cli._load_driver().__file__)
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('driver', {path!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_bench_without_scripts_says_where(monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.setenv("MULTISCALE_JAC_BENCHMARKS", str(tmp_path))
     with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])  # the help needs no benchmarks folder
+    assert info.value.code == 0
+    assert "--suites" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
         main(["bench", "--quick", "--out", str(tmp_path / "out")])
     assert info.value.code == 2
-    assert "no benchmark scripts" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no benchmark scripts" in err and str(tmp_path) in err
+    assert "source checkout" in err and "MULTISCALE_JAC_BENCHMARKS" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_checks_suites_when_help_had_no_driver(monkeypatch, capsys) -> None:
+    """A parser built without the driver (no choices) still rejects an unknown suite."""
+    from multiscale_jac import cli
+
+    monkeypatch.setattr(cli, "_driver_suites", lambda: None)
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--suites", "bench_nope"])
+    assert info.value.code == 2
+    assert "invalid choice: 'bench_nope'" in capsys.readouterr().err
 
 
 def test_bench_report_from_suite_json(tmp_path) -> None:
     """The report reads every method record, whatever the nesting of a suite's JSON."""
     import json
 
-    from multiscale_jac._bench import collect, environment, render_report
+    from multiscale_jac.cli import _load_driver
 
+    driver = _load_driver()
     raw = tmp_path / "raw"
     raw.mkdir()
     record = {"seconds": 0.5, "ratio_to_train_step": 2.0, "peak_memory_bytes": 3 * 2**20}
@@ -99,13 +135,13 @@ def test_bench_report_from_suite_json(tmp_path) -> None:
     (raw / "bench_laplace.json").write_text(
         json.dumps({"cells": [{"method": "library", "B": 32, "k": 100, **record}]})
     )
-    rows = collect(raw, ["bench_fisher", "bench_laplace"])
+    rows = driver.collect(raw, ["bench_fisher", "bench_laplace"])
     assert [(r["suite"], r["workload"], r["method"]) for r in rows] == [
         ("bench_fisher", "vgg-n8", "library"),
         ("bench_laplace", "B=32 k=100", "library"),
     ]
-    results = {"environment": environment("cpu"), "quick": True, "runs": [], "rows": rows}
-    report = render_report(results, {})
+    results = {"environment": driver.environment("cpu"), "quick": True, "runs": [], "rows": rows}
+    report = driver.render_report(results, {})
     assert "## bench_laplace" in report and "| B=32 k=100 | library | 0.5 | 2 | 3 |" in report
 
 

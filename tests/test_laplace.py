@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from cases import DTYPE
-from conftest import CASE_BY_ID, zoo_model, zoo_reference
+from conftest import CASE_BY_ID, smallest_budget, zoo_model, zoo_reference
 from test_fisher import CASES, as_model_input, batches, make_targets, samples_of
 
 import multiscale_jac as mj
@@ -29,9 +29,16 @@ def setup(case_id: str, likelihood: str, subset_kind: str = "elements"):
     return model, subset, data, outs, targets, jacs, case.inputs()
 
 
-def few_rows(subset: mj.ParamSubset) -> int:
-    """A Jacobian-row budget of 4 rows (the library counts 3 copies of each)."""
-    return 4 * 3 * subset.numel * 8
+def few_rows(model, likelihood: str, subset: mj.ParamSubset, data) -> int:
+    """A memory budget with room for a few Jacobian rows: the smallest budget the fit accepts
+    (the rows of one output position) plus 3 rows (the library counts about 6 copies of
+    each, its own and the engine's)."""
+
+    def fit(batch, budget: int) -> None:
+        mj.SubnetLaplace(model, likelihood, subset, memory_budget=budget).fit([batch])
+
+    smallest = max(smallest_budget(lambda b, batch=batch: fit(batch, b)) for batch in data)
+    return smallest + 3 * (6 * subset.numel + 3) * 8
 
 
 def dense_curvature(outs, targets, jacs, likelihood: str, hessian: str = "ggn") -> torch.Tensor:
@@ -92,7 +99,11 @@ def test_subset_curvature_matches_dense(case_id: str, likelihood: str, hessian: 
     assert la.loss == pytest.approx(dense_loss(outs, targets, likelihood), abs=1e-9)
     # a budget of 4 rows: one sample at a time, its outputs in slices of a few positions
     tiny = mj.SubnetLaplace(
-        model, likelihood, subset, hessian=hessian, memory_budget=few_rows(subset)
+        model,
+        likelihood,
+        subset,
+        hessian=hessian,
+        memory_budget=few_rows(model, likelihood, subset, data),
     )
     tiny.fit(data, progress=False)
     torch.testing.assert_close(tiny.H, ref, atol=TOL, rtol=0)
@@ -236,7 +247,7 @@ def test_glm_variance_matches_dense(case_id: str, likelihood: str) -> None:
     sigma = torch.linalg.inv(la.posterior_precision)
     pred = la.predictive(inputs)
     tiny = copy.copy(la)
-    tiny.memory_budget = few_rows(subset)  # outputs in slices of a few positions
+    tiny.memory_budget = few_rows(model, likelihood, subset, data)  # slices of a few positions
     pred_tiny = tiny.predictive(inputs)
     for i, (out, j) in enumerate(zip(outs, jacs)):
         cov = j @ sigma @ j.T
@@ -329,7 +340,7 @@ def test_selection_helpers() -> None:
     # largest variance under a diagonal Laplace: 1 / (sum_i diag GGN_i + prior)
     ggn = dense_curvature(outs, targets, jacs, "classification").diagonal()
     var = 1 / (ggn + 2.0)
-    chosen = mj.ParamSubset.largest_variance(model, data, 7, prior_precision=2.0)
+    chosen = mj.largest_variance(model, data, 7, prior_precision=2.0)
     assert set(chosen.flat_indices().tolist()) == set(var.topk(7).indices.tolist())
     sub = mj.ParamSubset.largest_magnitude(model, 3, params="net.2.*")
     assert set(sub.names) <= {"net.2.weight", "net.2.bias"}

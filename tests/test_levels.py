@@ -141,6 +141,20 @@ def test_random_heads_canvas_equals_loop(body, sizes, batch, gutter) -> None:
     assert (out.packing == "loop") == bool(caught)
 
 
+@pytest.mark.parametrize(("sizes", "first"), [([(1, 1), (1, 1)], 0), ([(3, 2), (1, 1)], 1)])
+def test_instance_norm_of_a_single_pixel_level_raises_like_the_loop(sizes, first) -> None:
+    """InstanceNorm with input statistics refuses one spatial element per channel; so does the
+    canvas, instead of normalising the level (found by the random heads above)."""
+    module = nn.Sequential(nn.InstanceNorm2d(2, affine=True)).to(D).eval()
+    levels = _levels(sizes, channels=2, batch=2)
+    with pytest.raises(ValueError, match="more than 1 spatial element"):
+        [module(x) for x in levels]
+    for strict in (False, True):
+        with pytest.raises(ValueError, match=f"level {first} normalises a single value"):
+            map_levels(module, levels, packing="canvas", strict=strict)
+    assert not _get_current_function_mode_stack()
+
+
 def test_default_gutter_runs_the_canvas_and_zero_gutter_falls_back() -> None:
     module = _randomise(HEADS["conv_gn_relu"]())
     levels = _levels(SIZES)

@@ -11,6 +11,7 @@ from torch.func import jacfwd, jacrev, vmap
 import multiscale_jac as mj
 from multiscale_jac.adapter import PerSampleFunction
 from multiscale_jac.models import ConvBlock
+from multiscale_jac.structured import StructuredFunction, rev_candidates
 
 D = torch.float64
 
@@ -68,12 +69,13 @@ def test_structured_equals_generic(name: str, transform: str) -> None:
     subset = mj.ParamSubset.from_indices(model, picks)
     levels = packed.stack(packed.buckets()[0].indices)  # one shape bucket
     jac = {}
+    base = PerSampleFunction(model, subset, packed.kind)
     for structured in (False, True):
-        fn = PerSampleFunction(model, subset, packed.kind, structured=structured)
+        fn = StructuredFunction(base, rev_candidates(base)) if structured else base
         if structured:
-            assert fn.structured_names, "no tensor took the structured path"
+            assert fn.names, "no tensor took the structured path"
         t = jacfwd if transform == "fwd" else jacrev
-        out = vmap(t(fn), in_dims=(None,) + (0,) * len(levels))(fn.values(), *levels)
+        out = vmap(t(fn), in_dims=(None,) + (0,) * len(levels))(base.values(), *levels)
         jac[structured] = torch.cat([o.flatten(2) for o in out], dim=2)
     torch.testing.assert_close(jac[True], jac[False], atol=1e-12, rtol=0)
 
@@ -84,5 +86,6 @@ def test_large_share_of_a_tensor_stays_generic() -> None:
     subset = mj.ParamSubset.from_indices(
         model, {"conv.0.weight": torch.arange(w.numel() // 2 + 1), "conv.1.weight": [0, 1]}
     )
-    fn = PerSampleFunction(model, subset, "levels", structured=True)
-    assert fn.structured_names == ("conv.1.weight",)
+    fn = PerSampleFunction(model, subset, "levels")
+    assert rev_candidates(fn) == ("conv.1.weight",)
+    assert StructuredFunction(fn, subset.names).names == ("conv.1.weight",)

@@ -1,9 +1,13 @@
-"""``multiscale-jac bench``: run the benchmark suites and write one report (private).
+"""The driver of ``multiscale-jac bench``: run the benchmark suites and write one report.
 
-The suites are the scripts in the source tree's ``benchmarks/`` folder (they are not installed
-with the package; run from a checkout, e.g. after ``pip install -e .``). Each runs in its own
-process and writes its JSON; this module then reads every method record (any JSON object with
-``seconds`` and ``ratio_to_train_step`` or ``peak_memory_bytes``) into one table:
+``multiscale-jac bench`` loads this file from the source tree's ``benchmarks/`` folder (or from
+``$MULTISCALE_JAC_BENCHMARKS``); it is not part of the installed package. It imports nothing
+but the standard library at module level (torch only inside :func:`environment`, matplotlib
+inside the plotting), so that the command line can read :data:`SUITES` for ``--help`` cheaply.
+
+The suites are the ``bench_*.py`` scripts next to this file. Each runs in its own process and
+writes its JSON; this module then reads every method record (any JSON object with ``seconds``
+and ``ratio_to_train_step`` or ``peak_memory_bytes``) into one table:
 
 * ``DIR/raw/<suite>*.json``: what each suite wrote;
 * ``DIR/results.json``: the environment and every record (suite, workload, method, seconds,
@@ -30,12 +34,14 @@ __all__ = [
     "SUITES",
     "benchmarks_dir",
     "collect",
+    "environment",
     "render_report",
     "run_bench",
     "write_report",
 ]
 
-#: suite -> whether the script takes ``--device``
+#: suite -> whether the script takes ``--device`` (the one list of suites: the command line
+#: reads it for ``--suites``)
 SUITES: dict[str, bool] = {
     "bench_jacobian": True,
     "bench_multires": True,
@@ -62,19 +68,8 @@ QUICK_ARGS: dict[str, list[str]] = {
 
 
 def benchmarks_dir() -> Path:
-    """The source tree's ``benchmarks/`` folder (``MULTISCALE_JAC_BENCHMARKS`` overrides).
-
-    Raises:
-        FileNotFoundError: no such folder (an installed wheel has none).
-    """
-    env = os.environ.get("MULTISCALE_JAC_BENCHMARKS")
-    path = Path(env) if env else Path(__file__).resolve().parent.parent / "benchmarks"
-    if not (path / "_common.py").is_file():
-        raise FileNotFoundError(
-            f"no benchmark scripts at {path}: they ship with the source repository, not the "
-            "wheel. Run from a checkout (pip install -e .) or set MULTISCALE_JAC_BENCHMARKS"
-        )
-    return path
+    """The folder of the suites: the one holding this file."""
+    return Path(__file__).resolve().parent
 
 
 def run_bench(

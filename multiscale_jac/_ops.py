@@ -1,0 +1,401 @@
+"""The op library of the execution layer (private): how ops are named and their arguments
+bound, which ops are elementwise and how they treat zeros, pooling and padding arithmetic, and
+:class:`RuleMode`, the rule-table ``TorchFunctionMode`` under masked execution
+(:class:`~multiscale_jac.masked.MaskedMode`) and level packing
+(:class:`~multiscale_jac.levels.CanvasMode`).
+
+Arguments are bound one way: by :data:`SIGNATURES` (:func:`bind_op`) for the ops listed there
+(torch builtins have no Python signature), by their ``inspect`` signature (:func:`bind_call`,
+cached) for other Python functions (activations with ``inplace=``, dropout, ...).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .enums import UnsupportedOpError
+
+
+def tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
+    """The tensors among ``args`` and ``kwargs`` values, also inside lists and tuples."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor):
+                    yield b
+
+
+def op_name(func: Any) -> str:
+    """How users write the op: ``F.conv2d``-style, ``torch.cat``-style or ``Tensor.view``."""
+    name = getattr(func, "__name__", None) or repr(func)
+    qual = getattr(func, "__qualname__", "") or ""
+    if getattr(F, name, None) is func or "boolean_dispatch" in qual:
+        return f"F.{name}"
+    if qual.startswith(("TensorBase.", "Tensor.")) or getattr(torch.Tensor, name, None) is func:
+        return f"Tensor.{name}"
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
+    module = getattr(func, "__module__", "") or ""
+    return f"F.{name}" if module.startswith("torch.nn.functional") else f"torch.{name}"
+
+
+def ntuple(x: Any, n: int) -> tuple:
+    """``x`` as an ``n``-tuple: a scalar or a 1-sequence repeated, other sequences as they are."""
+    if isinstance(x, (list, tuple)):
+        return tuple(x) if len(x) == n else tuple(x) * n if len(x) == 1 else tuple(x)
+    return (x,) * n
+
+
+#: Argument names (positional order) and defaults of the ops whose arguments rules read.
+SIGNATURES: dict[str, tuple[list[str], dict[str, Any]]] = {
+    "conv": (
+        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
+        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    ),
+    "max_pool": (
+        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"],
+        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
+    ),
+    "avg_pool": (
+        [
+            "input",
+            "kernel_size",
+            "stride",
+            "padding",
+            "ceil_mode",
+            "count_include_pad",
+            "divisor_override",
+        ],
+        {
+            "stride": None,
+            "padding": 0,
+            "ceil_mode": False,
+            "count_include_pad": True,
+            "divisor_override": None,
+        },
+    ),
+    "interpolate": (
+        [
+            "input",
+            "size",
+            "scale_factor",
+            "mode",
+            "align_corners",
+            "recompute_scale_factor",
+            "antialias",
+        ],
+        {
+            "size": None,
+            "scale_factor": None,
+            "mode": "nearest",
+            "align_corners": None,
+            "recompute_scale_factor": None,
+            "antialias": False,
+        },
+    ),
+    "batch_norm": (
+        ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"],
+        {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+    ),
+    "group_norm": (
+        ["input", "num_groups", "weight", "bias", "eps"],
+        {"weight": None, "bias": None, "eps": 1e-5},
+    ),
+    "layer_norm": (
+        ["input", "normalized_shape", "weight", "bias", "eps"],
+        {"weight": None, "bias": None, "eps": 1e-5},
+    ),
+    "instance_norm": (
+        [
+            "input",
+            "running_mean",
+            "running_var",
+            "weight",
+            "bias",
+            "use_input_stats",
+            "momentum",
+            "eps",
+        ],
+        {
+            "running_mean": None,
+            "running_var": None,
+            "weight": None,
+            "bias": None,
+            "use_input_stats": True,
+            "momentum": 0.1,
+            "eps": 1e-5,
+        },
+    ),
+    "linear": (["input", "weight", "bias"], {"bias": None}),
+    "cat": (["tensors", "dim"], {"dim": 0}),
+    "adaptive_pool": (["input", "output_size", "return_indices"], {"return_indices": False}),
+    "reduce": (["input", "dim", "keepdim"], {"dim": None, "keepdim": False}),
+    "softmax": (["input", "dim"], {"dim": None}),
+    "unbind": (["input", "dim"], {"dim": 0}),
+    "chunk": (["input", "chunks", "dim"], {"dim": 0}),
+    "split": (["input", "split_size_or_sections", "dim"], {"dim": 0}),
+    "hardtanh": (["input", "min_val", "max_val"], {"min_val": -1.0, "max_val": 1.0}),
+    "clamp": (["input", "min", "max"], {"min": None, "max": None}),
+    "sdpa": (
+        ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"],
+        {
+            "attn_mask": None,
+            "dropout_p": 0.0,
+            "is_causal": False,
+            "scale": None,
+            "enable_gqa": False,
+        },
+    ),
+}
+
+
+def bind_op(kind: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of a :data:`SIGNATURES` op by name, defaults filled in."""
+    names, defaults = SIGNATURES[kind]
+    return {**defaults, **dict(zip(names, args)), **kwargs}
+
+
+_INSPECTED: dict[Any, inspect.Signature | None] = {}
+
+
+def bind_call(func: Any, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The arguments of a call of a Python function by name, defaults filled in; ``None`` if it
+    has no signature or the call does not bind to it."""
+    if func not in _INSPECTED:
+        try:
+            _INSPECTED[func] = inspect.signature(func)
+        except (TypeError, ValueError):
+            _INSPECTED[func] = None
+    sig = _INSPECTED[func]
+    if sig is None:
+        return None
+    try:
+        b = sig.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    b.apply_defaults()
+    return dict(b.arguments)
+
+
+def with_input(args: tuple, kwargs: dict, new: Tensor) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the first argument (``input``) replaced by ``new``."""
+    if args:
+        return (new, *args[1:]), kwargs
+    return (), {**kwargs, "input": new}
+
+
+# ---------------------------------------------------------------------- elementwise
+def named(owner: Any, names: str) -> list[Any]:
+    """``owner.<name>`` for every name of the space-separated ``names``."""
+    return [getattr(owner, n) for n in names.split()]
+
+
+def pairs(names: str) -> list[Any]:
+    """``torch.<name>`` and ``Tensor.<name>`` for every name of ``names``."""
+    return [*named(torch, names), *named(torch.Tensor, names)]
+
+
+#: pure elementwise activations (out of place), shared with the structured forward pass
+#: (``entries``), which keeps a pending tangent through them
+ACTIVATIONS = [
+    *pairs("relu sigmoid tanh"),
+    *named(F, "relu relu6 leaky_relu elu selu celu gelu silu mish hardswish hardsigmoid"),
+    *named(F, "hardtanh softplus softsign sigmoid tanh prelu"),
+]
+UNARY = [
+    *ACTIVATIONS,
+    *pairs("relu_ sigmoid_ tanh_ exp abs neg clamp clip square sin cos erf clone gt lt ge le"),
+    *named(F, "tanhshrink logsigmoid dropout dropout1d dropout2d dropout3d alpha_dropout"),
+    *named(torch.Tensor, "contiguous detach to float double half type_as"),
+    *named(torch.Tensor, "clamp_ mul_ add_ sub_ div_"),
+    *named(torch, "zeros_like ones_like full_like rand_like randn_like empty_like"),
+]
+BINARY = [
+    *pairs("add sub mul where"),
+    *named(torch.Tensor, "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ masked_fill"),
+    torch.maximum,
+    torch.minimum,
+]
+#: Ops that are singular at 0 (value or derivative), by the positions of their singular
+#: operands (divisor, ``log``/``sqrt`` input, ``pow`` base): their padded inputs are set to 1
+#: first, so that no inf/nan is produced there (``where`` would hide it in the forward pass but
+#: not in the backward pass).
+SINGULAR = {
+    **dict.fromkeys([*pairs("div"), *named(torch.Tensor, "__truediv__ div_")], (1,)),
+    torch.true_divide: (1,),
+    **dict.fromkeys(pairs("log sqrt rsqrt reciprocal pow"), (0,)),
+    **dict.fromkeys(named(torch.Tensor, "__rtruediv__ __rdiv__ __pow__ __rpow__"), (0,)),
+    **dict.fromkeys(named(torch, "log2 log10"), (0,)),
+}
+#: In-place ops that keep zeros zero (their output must not be modified again: autograd may have
+#: saved it); ``div_``'s padded divisor is set to 1 first (:data:`SINGULAR`).
+ZERO_PRESERVING_INPLACE = {*pairs("relu_ tanh_"), torch.Tensor.mul_, torch.Tensor.div_}
+#: In-place ops that do not keep zeros zero and whose backward uses their output: re-zeroing
+#: that output in place would corrupt the saved tensor, so they are unsupported.
+SAVES_OUTPUT_INPLACE = set(pairs("sigmoid_ exp_"))
+
+
+def zero_preserving(func: Any, args: tuple, kwargs: dict, mode: Any) -> bool:
+    """In-place ops that map 0 to 0 given these arguments (``mode.region`` tells tracked
+    tensors)."""
+    if func in (F.relu, F.relu6, F.leaky_relu, F.elu, F.hardtanh):
+        if func is F.hardtanh:
+            lo = bind_op("hardtanh", args, kwargs)
+            return lo["min_val"] <= 0 <= lo["max_val"]
+        return True
+    if func in (torch.Tensor.add_, torch.Tensor.sub_):
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        return mode.region(other) is not None or (not isinstance(other, Tensor) and other == 0)
+    if func is torch.Tensor.clamp_:
+        b = bind_op("clamp", args, kwargs)
+        lo, hi = b["min"], b["max"]
+        return (
+            not isinstance(lo, Tensor)
+            and not isinstance(hi, Tensor)
+            and (lo is None or lo <= 0)
+            and (hi is None or hi >= 0)
+        )
+    return False
+
+
+# ---------------------------------------------------------------------- windows and norms
+def pool_args(b: dict, nsp: int) -> tuple:
+    """``(kernel, stride, padding)`` of a bound pooling call, as ``nsp``-tuples."""
+    kernel = ntuple(b["kernel_size"], nsp)
+    stride = ntuple(b["stride"] if b["stride"] not in (None, [], ()) else kernel, nsp)
+    padding = ntuple(b["padding"], nsp)
+    return kernel, stride, padding
+
+
+def avg_divisor(
+    sizes: Tensor,
+    out_extent: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    count_include_pad: bool,
+    dtype: torch.dtype,
+) -> Tensor:
+    """Per-sample divisor table ``(N, *out_extent)`` as PyTorch computes it for inputs of valid
+    size ``sizes`` ``(N, d)`` (1 where the output is padding, to avoid dividing by zero)."""
+    n = sizes.shape[0]
+    dev = sizes.device
+    table = torch.ones((n, *out_extent), dtype=dtype, device=dev)
+    for k, m in enumerate(out_extent):
+        o = torch.arange(m, device=dev).unsqueeze(0)  # (1, m)
+        s_in = sizes[:, k : k + 1]  # (N, 1)
+        start = o * stride[k] - padding[k]
+        end = torch.minimum(start + kernel[k], s_in + padding[k])
+        if count_include_pad:
+            count = end - start
+        else:
+            count = torch.minimum(end, s_in) - torch.clamp(start, min=0)
+        count = torch.clamp(count, min=1).to(dtype)
+        shape = [n] + [1] * len(out_extent)
+        shape[1 + k] = m
+        table = table * count.reshape(shape)
+    return table
+
+
+def numeric_padding(
+    padding: Any, dilation: tuple[int, ...], kernel: tuple[int, ...]
+) -> tuple | None:
+    """A conv's ``padding`` as numbers: ``'valid'`` -> zeros, ``'same'`` -> half the dilated
+    kernel, or ``None`` for ``'same'`` with an even dilated kernel (asymmetric padding)."""
+    nd = len(kernel)
+    if not isinstance(padding, str):
+        return ntuple(padding, nd)
+    if padding == "valid":
+        return (0,) * nd
+    if any(d * (k - 1) % 2 for d, k in zip(dilation, kernel)):
+        return None
+    return tuple(d * (k - 1) // 2 for d, k in zip(dilation, kernel))
+
+
+def require_more_than_one(counts: Tensor, func: Any, context: str, unit: str) -> None:
+    """Instance/group norm of a single value raises in PyTorch; so must a packed run.
+    ``counts``: the values every ``unit`` (sample, level) normalises together."""
+    if bool((counts <= 1).any()):
+        i = int((counts <= 1).nonzero()[0, 0])
+        raise ValueError(
+            f"{context}: {op_name(func)}: {unit} {i} normalises a single value; PyTorch "
+            "expects more than 1 value per group (the unpadded model fails too)"
+        )
+
+
+# ---------------------------------------------------------------------- rule modes
+class RuleMode(TorchFunctionMode):
+    """A ``TorchFunctionMode`` that runs every op touching a tracked tensor by its rule.
+
+    A subclass says what a tensor is tracked with (:meth:`region`, ``None`` if untracked),
+    registers rules ``rule(mode, func, args, kwargs)`` in its own table with :meth:`rule`, and
+    names its errors (``context``, ``no_rule``, ``root``: the model's own name). An op with no
+    tracked tensor argument runs as it is; one without a rule runs and raises
+    :meth:`unsupported` if it returned a tensor (shape and dtype queries pass).
+
+    Args:
+        model: Names the module of an unsupported op in errors (``None``: no names).
+    """
+
+    rules: ClassVar[dict[Any, Callable[..., Any]]] = {}
+    context: ClassVar[str]
+    no_rule: ClassVar[str]
+    root: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.rules = {}
+
+    def __init__(self, model: Any = None) -> None:
+        super().__init__()
+        modules = model.named_modules() if isinstance(model, nn.Module) else ()
+        self._module_names = {id(m): n for n, m in modules}
+
+    @classmethod
+    def rule(cls, *funcs: Any) -> Callable[[Callable], Callable]:
+        """Decorator: the rule of ``funcs`` (``None`` entries skipped) in this mode's table."""
+
+        def register(fn: Callable) -> Callable:
+            cls.rules.update((f, fn) for f in funcs if f is not None)
+            return fn
+
+        return register
+
+    def region(self, t: Any) -> Any:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def unsupported(self, func: Any, reason: str) -> UnsupportedOpError:
+        """The error for ``func``, naming the innermost module of the model whose method is
+        running (found by walking the stack)."""
+        frame, module = sys._getframe(1), None
+        while frame is not None:
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, nn.Module) and id(obj) in self._module_names:
+                module = self._module_names[id(obj)] or self.root
+                break
+            frame = frame.f_back
+        return UnsupportedOpError(op_name(func), module, reason, context=self.context)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not any(self.region(t) is not None for t in tensors(args, kwargs)):
+            return func(*args, **kwargs)
+        rule = self.rules.get(func)
+        if rule is not None:
+            return rule(self, func, args, kwargs)
+        out = func(*args, **kwargs)
+        if any(True for _ in tensors((out,), {})):
+            raise self.unsupported(func, self.no_rule)
+        return out  # shape/dtype queries and the like
