@@ -57,9 +57,17 @@ def largest_variance(
         params: Candidate entries (default: every parameter).
         kind: The curvature: ``exact`` (the GGN, default), ``empirical`` (cheaper for dense
             outputs) or ``mc``.
-        output_fn, sigma_noise, ignore_index, chunk_size, memory_budget, randomness,
-            batch_norm, strict, progress, generator, process_group: As for
-            :func:`~multiscale_jac.diag_fisher`.
+        output_fn: As for :func:`~multiscale_jac.diag_fisher`, like every option below.
+        sigma_noise: Gaussian noise scale for ``regression``.
+        ignore_index: Label of positions left out (classification).
+        chunk_size: Shared option (the options table in ``docs/design.md``).
+        memory_budget: Shared option.
+        randomness: Shared option.
+        batch_norm: Shared option.
+        strict: Shared option.
+        progress: Shared option.
+        generator: Seeds the labels of ``kind="mc"``.
+        process_group: Shared option.
 
     Returns:
         The selected entries.

@@ -8,6 +8,7 @@ The imports are read from the source with ``ast`` (module level, inside function
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "multiscale_jac"
 MAX_FUNCTION_LINES = 90
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
     return {p.stem: ast.parse(p.read_text(), filename=str(p)) for p in PACKAGE.glob("*.py")}
 

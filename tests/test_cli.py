@@ -10,6 +10,7 @@ import pytest
 from multiscale_jac.cli import main
 
 
+@pytest.mark.slow
 def test_demo_prints_table_and_passes(capsys) -> None:
     assert main(["demo", "--samples", "3", "--entries", "40"]) == 0
     out = capsys.readouterr().out
@@ -54,6 +55,7 @@ def test_no_command_prints_help(capsys) -> None:
     assert "COMMAND" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_module_entry_point() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "multiscale_jac", "--help"],
@@ -145,6 +147,7 @@ def test_bench_report_from_suite_json(tmp_path) -> None:
     assert "## bench_laplace" in report and "| B=32 k=100 | library | 0.5 | 2 | 3 |" in report
 
 
+@pytest.mark.slow
 def test_bench_from_existing_results(tmp_path) -> None:
     import json
 

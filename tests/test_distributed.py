@@ -85,6 +85,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_match_one(tmp_path) -> None:
     single = compute()
     single.update(jacnorm(slice(None)))

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_readme_quick_start_runs(capsys) -> None:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
@@ -21,6 +22,7 @@ def test_readme_quick_start_runs(capsys) -> None:
     assert "('conv.2.weight',)" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
 def test_example_runs(name: str, capsys) -> None:
     runpy.run_path(str(ROOT / "examples" / name), run_name="__main__")
@@ -48,6 +50,7 @@ def test_docs_page_blocks_run_and_print_what_they_say(page: str, capsys) -> None
             assert got == want, (k, want, got)
 
 
+@pytest.mark.slow
 def test_subnet_laplace_example_writes_its_picture(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     module = runpy.run_path(str(ROOT / "examples" / "subnet_laplace_segmentation.py"))

@@ -126,6 +126,7 @@ def test_chunk_size_does_not_change_results(case_id: str, mode: str, chunk_size:
     assert_same(res, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["rev", "fwd"])
 def test_memory_budget_chunks_and_keeps_results(mode: str) -> None:
     case = CASE_BY_ID["fpn_ragged"]

@@ -380,6 +380,7 @@ def _planner(budget: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_memory_budget_holds_in_a_fresh_process() -> None:
     """Peak RSS rise of one call stays under a generous budget; an impossible one raises."""

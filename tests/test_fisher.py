@@ -124,6 +124,7 @@ def test_diag_fisher_matches_loop(case_id: str, likelihood: str, kind: str) -> N
     assert set(res.as_dict()) == set(subset.names)
 
 
+@pytest.mark.slow
 def test_mc_is_seeded_and_unbiased() -> None:
     case_id = "mlp_vectors"
     model = zoo_model(case_id)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 OPTIONAL = [
     "tqdm",
     "hypothesis",
@@ -19,6 +21,7 @@ OPTIONAL = [
 ]
 
 
+@pytest.mark.slow
 def test_import_is_light() -> None:
     code = (
         "import json, sys, torch\n"

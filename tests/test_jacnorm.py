@@ -78,6 +78,7 @@ def test_value_and_gradient_match_the_loop(case_id: str, method: str) -> None:
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case_id, names", [("mlp_vectors", "net.0.weight"), ("bn_cnn_multicrop", "features.*")]
 )
@@ -119,6 +120,7 @@ def test_task_loss_plus_penalty() -> None:
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow
 def test_hutchinson_is_unbiased_and_consistent() -> None:
     case = CASE_BY_ID["seed_convblock_levels"]
     model = zoo_model(case.id)

@@ -267,6 +267,7 @@ def _shared_head_samples():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["vmap", "bucketed", "padded", "loop"])
 @pytest.mark.parametrize("mode", ["rev", "fwd"])
 def test_shared_head_jacobian_through_canvas_equals_loop_oracle(strategy, mode) -> None:
