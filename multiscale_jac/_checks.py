@@ -4,6 +4,7 @@ fallbacks reported once at the user's call site."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ from .adapter import PerSampleFunction
 from .enums import (
     BatchNormPolicy,
     FallbackWarning,
+    InputKind,
     Layout,
     Randomness,
     parse_enum,
@@ -71,16 +73,40 @@ class Prepared:
     eval_batch_norm: bool
     randomness: Randomness
     packed: PackedBatch | None = None
+    input_kind: InputKind | None = None
 
     @property
     def device(self) -> torch.device:
         """Where the selected parameters live (the computation runs there)."""
         return dict(self.model.named_parameters())[self.subset.names[0]].device
 
-    def pack(self, inputs: Any) -> PackedBatch:
-        """``inputs`` (anything :func:`~multiscale_jac.pack` takes) on the parameters' device."""
-        packed = inputs if isinstance(inputs, PackedBatch) else pack(inputs)
-        return packed.to(self.device)
+    def pack(self, inputs: Any, *, finite: bool = False) -> PackedBatch:
+        """``inputs`` (anything :func:`~multiscale_jac.pack` takes) on the parameters' device,
+        read as ``input_kind``.
+
+        Raises:
+            TypeError: floating-point inputs of another dtype than the selected parameters.
+            ValueError: with ``finite``, a NaN or infinity in the inputs (named by sample and
+                level: the result would be meaningless).
+        """
+        layout = inputs.layout if isinstance(inputs, PackedBatch) else Layout.PADDED
+        packed = pack(inputs, layout=layout, input_kind=self.input_kind).to(self.device)
+        dtype = dict(self.model.named_parameters())[self.subset.names[0]].dtype
+        for lvl, t in enumerate(packed.levels):
+            if t.is_floating_point() and t.dtype != dtype:
+                raise TypeError(
+                    f"the inputs (level {lvl}) have dtype {t.dtype} but the model's parameters "
+                    f"{dtype}: convert the inputs (.to({dtype})) or the model (.to({t.dtype}))"
+                )
+            if finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                i = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0, 0])
+                bad = packed.sample(i)[lvl]
+                value = bad[~torch.isfinite(bad)][0].item()
+                raise ValueError(
+                    f"the inputs hold {value} in sample {i}, level {lvl}: a non-finite input "
+                    "makes the result meaningless"
+                )
+        return packed
 
     def function(
         self,
@@ -94,7 +120,7 @@ class Prepared:
         return PerSampleFunction(
             self.model,
             self.subset if subset is None else subset,
-            packed.kind,
+            packed.structure,
             self.output_fn if output_fn is None else output_fn,
             eval_batch_norm=self.eval_batch_norm,
             tokens=packed.layout is Layout.NESTED,
@@ -109,6 +135,7 @@ def prepare(
     output_fn: Any,
     batch_norm: Any,
     randomness: Any,
+    input_kind: Any = None,
     params_name: str = "params",
 ) -> Prepared:
     """Check the arguments every entry point shares and apply the batch-norm and randomness
@@ -131,10 +158,11 @@ def prepare(
                 "parameters can be differentiated"
             )
     eval_bn = check_train_mode_layers(model, policy, randomness)
-    prepared = Prepared(model, subset, output_fn, eval_bn, randomness)
+    kind = None if input_kind is None else parse_enum(InputKind, input_kind, "input_kind")
+    prepared = Prepared(model, subset, output_fn, eval_bn, randomness, input_kind=kind)
     if inputs is None:
         return prepared
-    return Prepared(model, subset, output_fn, eval_bn, randomness, prepared.pack(inputs))
+    return dataclasses.replace(prepared, packed=prepared.pack(inputs))
 
 
 def user_stacklevel() -> int:
@@ -225,37 +253,44 @@ def check_output_fn(fn: Any) -> Callable[[Any], Any] | None:
 def check_train_mode_layers(
     model: nn.Module, batch_norm: BatchNormPolicy, randomness: Randomness
 ) -> bool:
-    """Refuse layers whose train-mode behaviour would make per-sample results ambiguous.
+    """Refuse layers whose behaviour on a batch of one would make per-sample results ambiguous.
+
+    Any BatchNorm that normalises with batch statistics (in train mode, or built with
+    ``track_running_stats=False``, in any mode) follows ``batch_norm``; InstanceNorm and
+    GroupNorm are per sample and need nothing.
 
     Returns:
         True when batch-statistics layers must be run with their running statistics (the
         ``batch_norm="eval"`` choice for a model that has BatchNorm in train mode).
 
     Raises:
-        ValueError: BatchNorm in train mode without an explicit ``batch_norm`` choice (or with
-            ``"eval"`` but no running statistics), or dropout in train mode with
+        ValueError: BatchNorm with batch statistics without an explicit ``batch_norm`` choice
+            (or with ``"eval"`` but no running statistics), or dropout in train mode with
             ``randomness="error"``.
     """
-    bn_train = [
+    batch_stats = [
         (name or "<model>", m)
         for name, m in model.named_modules()
-        if isinstance(m, _BatchNorm) and m.training
+        if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
     ]
-    if bn_train and batch_norm is BatchNormPolicy.ERROR:
-        name, m = bn_train[0]
-        raise ValueError(
-            f"module {name!r} ({type(m).__name__}) is in train mode: it would normalise each "
-            "sample with statistics of a batch of one, which is not what the model computes on "
-            "a batch. Put the model in eval mode (model.eval()), or pass batch_norm='eval' to "
-            "use the running statistics without changing the model"
-        )
-    if bn_train:
-        for name, m in bn_train:
-            if m.running_mean is None:
-                raise ValueError(
-                    f"batch_norm='eval' needs running statistics, but module {name!r} "
-                    f"({type(m).__name__}) was built with track_running_stats=False"
-                )
+    for name, m in batch_stats:
+        if m.running_mean is not None and batch_norm is BatchNormPolicy.ERROR:
+            raise ValueError(
+                f"module {name!r} ({type(m).__name__}) is in train mode: it would normalise each "
+                "sample with statistics of a batch of one, which is not what the model computes "
+                "on a batch. Put the model in eval mode (model.eval()), or pass "
+                "batch_norm='eval' to use the running statistics without changing the model"
+            )
+        if m.running_mean is None:
+            mode = "in train mode" if m.training else "in eval mode"
+            raise ValueError(
+                f"module {name!r} ({type(m).__name__}) was built with "
+                f"track_running_stats=False, so {mode} it normalises with the statistics of "
+                "the batch: for one sample, a batch of one, which is not what the model "
+                "computes on a batch, and there are no running statistics for "
+                "batch_norm='eval'. Use a per-sample norm (GroupNorm, InstanceNorm, LayerNorm) "
+                "or track running statistics"
+            )
     if randomness is Randomness.ERROR:
         for name, m in model.named_modules():
             if isinstance(m, _DropoutNd) and m.training and m.p > 0:
@@ -264,4 +299,4 @@ def check_train_mode_layers(
                     "mode, so every forward pass is random. Put the model in eval mode, or pass "
                     "randomness='different' (independent masks per sample) or 'same'"
                 )
-    return bool(bn_train)
+    return bool(batch_stats)

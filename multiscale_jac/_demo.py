@@ -45,19 +45,13 @@ def run_demo(
     """
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = (
-        TinyFPN(in_channels=(8, 16), width=16, num_outputs=4).to(device=device, dtype=dtype).eval()
-    )
+    model = TinyFPN(in_channels=(8, 16), width=16, num_outputs=4)
+    model = model.to(device=device, dtype=dtype).eval()
     batch = []
     for k in range(samples):
         h, w = _SIZES[k % len(_SIZES)]
-        batch.append(
-            [
-                torch.randn(8, h, w, generator=g, dtype=dtype),
-                torch.randn(16, (h + 1) // 2, (w + 1) // 2, generator=g, dtype=dtype),
-            ]
-        )
-    batch = [[t.to(device) for t in sample] for sample in batch]
+        shapes = [(8, h, w), (16, (h + 1) // 2, (w + 1) // 2)]
+        batch.append([torch.randn(s, generator=g, dtype=dtype).to(device) for s in shapes])
     packed = pack(batch)
     total = sum(p.numel() for p in model.parameters())
     subsets = {
@@ -80,18 +74,8 @@ def run_demo(
         _sync(device)
         t2 = time.perf_counter()
         diff = (res.jacobian - ref.jacobian).abs().max().item()
-        rows.append(
-            DemoRow(
-                label,
-                subset.numel,
-                res.strategy.value,
-                res.mode.value,
-                tuple(res.jacobian.shape),
-                t1 - t0,
-                t2 - t1,
-                diff,
-            )
-        )
+        ran, shape = (res.strategy.value, res.mode.value), tuple(res.jacobian.shape)
+        rows.append(DemoRow(label, subset.numel, *ran, shape, t1 - t0, t2 - t1, diff))
     return rows
 
 

@@ -1,16 +1,14 @@
 """The op library of the execution layer (private): how ops are named and their arguments
-bound, which ops are elementwise and how they treat zeros, pooling and padding arithmetic, and
-:class:`RuleMode`, the rule-table ``TorchFunctionMode`` under masked execution
+bound (by :data:`SIGNATURES` for torch builtins, which have no Python signature, else by
+``inspect``), which ops are elementwise and how they treat zeros, pooling and padding
+arithmetic, and :class:`RuleMode`, the rule-table ``TorchFunctionMode`` under masked execution
 (:class:`~multiscale_jac.masked.MaskedMode`) and level packing
 (:class:`~multiscale_jac.levels.CanvasMode`).
-
-Arguments are bound one way: by :data:`SIGNATURES` (:func:`bind_op`) for the ops listed there
-(torch builtins have no Python signature), by their ``inspect`` signature (:func:`bind_call`,
-cached) for other Python functions (activations with ``inplace=``, dropout, ...).
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -30,9 +28,7 @@ def tensors(args: tuple, kwargs: dict) -> Iterator[Tensor]:
         if isinstance(a, Tensor):
             yield a
         elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, Tensor):
-                    yield b
+            yield from (b for b in a if isinstance(b, Tensor))
 
 
 def op_name(func: Any) -> str:
@@ -56,106 +52,47 @@ def ntuple(x: Any, n: int) -> tuple:
     return (x,) * n
 
 
+def _signature(spec: str) -> tuple[list[str], dict[str, Any]]:
+    """``"input weight bias=None"`` -> ``(["input", "weight", "bias"], {"bias": None})``."""
+    names, defaults = [], {}
+    for arg in spec.split():
+        name, _, default = arg.partition("=")
+        names.append(name)
+        if default:
+            defaults[name] = ast.literal_eval(default)
+    return names, defaults
+
+
 #: Argument names (positional order) and defaults of the ops whose arguments rules read.
 SIGNATURES: dict[str, tuple[list[str], dict[str, Any]]] = {
-    "conv": (
-        ["input", "weight", "bias", "stride", "padding", "dilation", "groups"],
-        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
-    ),
-    "max_pool": (
-        ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"],
-        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
-    ),
-    "avg_pool": (
-        [
-            "input",
-            "kernel_size",
-            "stride",
-            "padding",
-            "ceil_mode",
-            "count_include_pad",
-            "divisor_override",
-        ],
-        {
-            "stride": None,
-            "padding": 0,
-            "ceil_mode": False,
-            "count_include_pad": True,
-            "divisor_override": None,
-        },
-    ),
-    "interpolate": (
-        [
-            "input",
-            "size",
-            "scale_factor",
-            "mode",
-            "align_corners",
-            "recompute_scale_factor",
-            "antialias",
-        ],
-        {
-            "size": None,
-            "scale_factor": None,
-            "mode": "nearest",
-            "align_corners": None,
-            "recompute_scale_factor": None,
-            "antialias": False,
-        },
-    ),
-    "batch_norm": (
-        ["input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"],
-        {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
-    ),
-    "group_norm": (
-        ["input", "num_groups", "weight", "bias", "eps"],
-        {"weight": None, "bias": None, "eps": 1e-5},
-    ),
-    "layer_norm": (
-        ["input", "normalized_shape", "weight", "bias", "eps"],
-        {"weight": None, "bias": None, "eps": 1e-5},
-    ),
-    "instance_norm": (
-        [
-            "input",
-            "running_mean",
-            "running_var",
-            "weight",
-            "bias",
-            "use_input_stats",
-            "momentum",
-            "eps",
-        ],
-        {
-            "running_mean": None,
-            "running_var": None,
-            "weight": None,
-            "bias": None,
-            "use_input_stats": True,
-            "momentum": 0.1,
-            "eps": 1e-5,
-        },
-    ),
-    "linear": (["input", "weight", "bias"], {"bias": None}),
-    "cat": (["tensors", "dim"], {"dim": 0}),
-    "adaptive_pool": (["input", "output_size", "return_indices"], {"return_indices": False}),
-    "reduce": (["input", "dim", "keepdim"], {"dim": None, "keepdim": False}),
-    "softmax": (["input", "dim"], {"dim": None}),
-    "unbind": (["input", "dim"], {"dim": 0}),
-    "chunk": (["input", "chunks", "dim"], {"dim": 0}),
-    "split": (["input", "split_size_or_sections", "dim"], {"dim": 0}),
-    "hardtanh": (["input", "min_val", "max_val"], {"min_val": -1.0, "max_val": 1.0}),
-    "clamp": (["input", "min", "max"], {"min": None, "max": None}),
-    "sdpa": (
-        ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"],
-        {
-            "attn_mask": None,
-            "dropout_p": 0.0,
-            "is_causal": False,
-            "scale": None,
-            "enable_gqa": False,
-        },
-    ),
+    kind: _signature(spec)
+    for kind, spec in {
+        "conv": "input weight bias=None stride=1 padding=0 dilation=1 groups=1",
+        "max_pool": "input kernel_size stride=None padding=0 dilation=1 ceil_mode=False "
+        "return_indices=False",
+        "avg_pool": "input kernel_size stride=None padding=0 ceil_mode=False "
+        "count_include_pad=True divisor_override=None",
+        "interpolate": "input size=None scale_factor=None mode='nearest' align_corners=None "
+        "recompute_scale_factor=None antialias=False",
+        "batch_norm": "input running_mean running_var weight=None bias=None training=False "
+        "momentum=0.1 eps=1e-5",
+        "group_norm": "input num_groups weight=None bias=None eps=1e-5",
+        "layer_norm": "input normalized_shape weight=None bias=None eps=1e-5",
+        "instance_norm": "input running_mean=None running_var=None weight=None bias=None "
+        "use_input_stats=True momentum=0.1 eps=1e-5",
+        "linear": "input weight bias=None",
+        "cat": "tensors dim=0",
+        "adaptive_pool": "input output_size return_indices=False",
+        "reduce": "input dim=None keepdim=False",
+        "softmax": "input dim=None",
+        "unbind": "input dim=0",
+        "chunk": "input chunks dim=0",
+        "split": "input split_size_or_sections dim=0",
+        "hardtanh": "input min_val=-1.0 max_val=1.0",
+        "clamp": "input min=None max=None",
+        "sdpa": "query key value attn_mask=None dropout_p=0.0 is_causal=False scale=None "
+        "enable_gqa=False",
+    }.items()
 }
 
 
@@ -259,12 +196,9 @@ def zero_preserving(func: Any, args: tuple, kwargs: dict, mode: Any) -> bool:
     if func is torch.Tensor.clamp_:
         b = bind_op("clamp", args, kwargs)
         lo, hi = b["min"], b["max"]
-        return (
-            not isinstance(lo, Tensor)
-            and not isinstance(hi, Tensor)
-            and (lo is None or lo <= 0)
-            and (hi is None or hi >= 0)
-        )
+        if isinstance(lo, Tensor) or isinstance(hi, Tensor):
+            return False
+        return (lo is None or lo <= 0) and (hi is None or hi >= 0)
     return False
 
 
@@ -277,17 +211,11 @@ def pool_args(b: dict, nsp: int) -> tuple:
     return kernel, stride, padding
 
 
-def avg_divisor(
-    sizes: Tensor,
-    out_extent: Sequence[int],
-    kernel: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    count_include_pad: bool,
-    dtype: torch.dtype,
-) -> Tensor:
-    """Per-sample divisor table ``(N, *out_extent)`` as PyTorch computes it for inputs of valid
-    size ``sizes`` ``(N, d)`` (1 where the output is padding, to avoid dividing by zero)."""
+def avg_divisor(sizes: Tensor, out_extent: Sequence[int], b: dict, dtype: torch.dtype) -> Tensor:
+    """Per-sample divisor table ``(N, *out_extent)`` of a bound ``avg_pool`` call ``b`` as
+    PyTorch computes it for inputs of valid size ``sizes`` ``(N, d)`` (1 where the output is
+    padding, to avoid dividing by zero)."""
+    kernel, stride, padding = pool_args(b, len(out_extent))
     n = sizes.shape[0]
     dev = sizes.device
     table = torch.ones((n, *out_extent), dtype=dtype, device=dev)
@@ -296,14 +224,12 @@ def avg_divisor(
         s_in = sizes[:, k : k + 1]  # (N, 1)
         start = o * stride[k] - padding[k]
         end = torch.minimum(start + kernel[k], s_in + padding[k])
-        if count_include_pad:
+        if b["count_include_pad"]:
             count = end - start
         else:
             count = torch.minimum(end, s_in) - torch.clamp(start, min=0)
         count = torch.clamp(count, min=1).to(dtype)
-        shape = [n] + [1] * len(out_extent)
-        shape[1 + k] = m
-        table = table * count.reshape(shape)
+        table = table * count.reshape(n, *(m if j == k else 1 for j in range(len(out_extent))))
     return table
 
 
@@ -337,8 +263,10 @@ def require_more_than_one(counts: Tensor, func: Any, context: str, unit: str) ->
 class RuleMode(TorchFunctionMode):
     """A ``TorchFunctionMode`` that runs every op touching a tracked tensor by its rule.
 
-    A subclass says what a tensor is tracked with (:meth:`region`, ``None`` if untracked),
-    registers rules ``rule(mode, func, args, kwargs)`` in its own table with :meth:`rule`, and
+    A subclass says what a tensor is tracked with (:meth:`region`, ``None`` if untracked) and
+    defines ``mask(region, like)`` (bool, true where real, broadcasting against ``like``),
+    ``track(t, region)`` and ``rezero(out, region)`` (``out`` zeroed outside ``region``, tracked);
+    it registers rules ``rule(mode, func, args, kwargs)`` in its own table with :meth:`rule`, and
     names its errors (``context``, ``no_rule``, ``root``: the model's own name). An op with no
     tracked tensor argument runs as it is; one without a rule runs and raises
     :meth:`unsupported` if it returned a tensor (shape and dtype queries pass).
@@ -373,6 +301,32 @@ class RuleMode(TorchFunctionMode):
 
     def region(self, t: Any) -> Any:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
+
+    def fill(self, t: Any, region: Any, value: float) -> Any:
+        """``t`` with ``value`` outside ``region`` (``t`` itself where ``region`` is ``None``)."""
+        return t if region is None else torch.where(self.mask(region, t), t, value)
+
+    def singular_safe(self, func: Any, args: tuple) -> tuple:
+        """``args`` with the padding of :data:`SINGULAR` operands set to 1 (no inf/nan there)."""
+        if func not in SINGULAR:
+            return args
+        return tuple(
+            self.fill(a, self.region(a), 1.0) if i in SINGULAR[func] else a
+            for i, a in enumerate(args)
+        )
+
+    def settle(
+        self, func: Any, args: tuple, kwargs: dict, operands: list, out: Tensor, region: Any
+    ) -> Tensor:
+        """An elementwise op's output tracked with ``region``: re-zeroed (a new tensor), or in
+        place when the op wrote into an operand and does not keep zeros zero."""
+        if any(out is t for t in operands) or kwargs.get("inplace", False):
+            if func not in ZERO_PRESERVING_INPLACE and not zero_preserving(
+                func, args, kwargs, self
+            ):
+                out.masked_fill_(~self.mask(region, out), 0)
+            return self.track(out, region)
+        return self.rezero(out, region)
 
     def unsupported(self, func: Any, reason: str) -> UnsupportedOpError:
         """The error for ``func``, naming the innermost module of the model whose method is

@@ -2,22 +2,16 @@
 estimate and the chunks (:func:`plan_strategy`, :func:`choose_strategy`); the engine runs the
 plans (:mod:`~multiscale_jac.engine`).
 
-The estimate (documented in ``docs/design.md``) uses three numbers measured on one forward pass
-of one sample of each bucket: ``A``, the bytes autograd saves for the backward pass (the
-activations); ``M``, the bytes of the largest single saved tensor; and ``O``, the number of
-outputs. With ``P`` selected entries, itemsize ``s`` and ``c`` output rows (rev) or tangents
-(fwd) processed at once, one sample needs about
-
-* rev: ``A + c * (2 M + P s) + 2 O P s`` (one forward, ``c`` cotangents per layer and ``c``
-  parameter-gradient rows alive, the per-sample Jacobian and its chunk pieces);
-* fwd: ``A + c * (2 M + O s) + 2 O P s`` (``c`` tangents per layer, ``c`` output tangents).
-
-A vectorised call over ``n`` samples needs ``n`` times that; the returned ``(N, O, P)`` result
-is counted once on top.
+The memory estimate (documented in ``docs/design.md``, :func:`per_sample_bytes`) uses three
+numbers measured on one forward pass of one sample of each bucket (:func:`measure`): ``A``, the
+bytes autograd saves for the backward pass (the activations); ``M``, the bytes of the largest
+single saved tensor; and ``O``, the number of outputs. A vectorised call over ``n`` samples
+needs ``n`` times one sample's; the returned ``(N, O, P)`` result is counted once on top.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,7 +38,6 @@ __all__ = [
     "estimate_seconds",
     "first_line",
     "measure",
-    "minimum_bytes",
     "per_sample_bytes",
     "plan_chunks",
     "plan_seconds",
@@ -110,57 +103,51 @@ def measure(
     leaves = tuple(v.detach().requires_grad_(True) for v in values)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
         out = fn(leaves, *levels)
-    return Footprint(
-        activations=sum(seen.values()),
-        largest=max(seen.values(), default=0),
-        outputs=int(out.numel()),
-    )
+    return Footprint(sum(seen.values()), max(seen.values(), default=0), int(out.numel()))
 
 
 def per_sample_bytes(
     fp: Footprint, mode: Mode, numel: int, itemsize: int, inner: int, per_step: int | None = None
 ) -> int:
-    """The estimate above for one sample with ``inner`` rows (rev) or tangents (fwd) at once;
-    ``per_step`` replaces ``2 M + O s`` (fwd) where the tangents' size was measured (the
-    structured pass counts them, :class:`EntryCost`)."""
+    """One sample's working memory with ``inner`` rows (rev) or tangents (fwd) at once, for ``P``
+    (``numel``) selected entries of itemsize ``s``: ``A + inner * per_step + 2 O P s`` (one
+    forward, the per-sample Jacobian and its chunk pieces), ``per_step`` being ``2 M + P s`` (rev:
+    cotangents per layer and a parameter-gradient row) or ``2 M + O s`` (fwd: tangents per layer
+    and an output tangent) unless measured (the structured pass counts it, :class:`EntryCost`)."""
     if per_step is None:
         per_step = 2 * fp.largest + (numel if mode is Mode.REV else fp.outputs) * itemsize
     return fp.activations + inner * per_step + 2 * fp.outputs * numel * itemsize
 
 
 def plan_chunks(
-    fp: Footprint,
-    *,
+    group: Group,
     mode: Mode,
     numel: int,
-    full_inner: int,
-    itemsize: int,
-    bucket_size: int,
+    per_step: int | None,
     chunk_size: int | None,
     available: int | None,
-    device: torch.device,
-    per_step: int | None = None,
+    like: Tensor,
 ) -> Plan:
-    """Choose samples per call and rows/tangents per step for one bucket (and, in fwd, one
+    """Choose samples per call and rows/tangents per step for one group (and, in fwd, one
     tensor's tangents).
 
     Args:
-        fp: The bucket's footprint.
+        group: The group (its samples and footprint).
         mode: ``rev`` or ``fwd``.
-        numel: P.
-        full_inner: Rows (rev: O) or tangents (fwd: the largest tangent group) of one sample.
-        itemsize: Bytes per element of the Jacobian.
-        bucket_size: Samples in the bucket.
+        numel: P (fwd: of the tensor's tangent group).
+        per_step: Measured bytes per row/tangent, or ``None`` (see :func:`per_sample_bytes`).
         chunk_size: Samples per call fixed by the caller, or ``None``.
         available: Bytes left under the caller's ``memory_budget`` after the result, or
             ``None`` for no budget (then a default working-set target is used).
-        device: Where it runs (picks the default target).
-        per_step: Measured bytes per row/tangent (see :func:`per_sample_bytes`).
+        like: A selected value: the Jacobian's itemsize, and where it runs (the default target).
 
     Raises:
-        ValueError: ``available`` is below :func:`minimum_bytes` (callers check that first, to
-            report the minimum over all buckets).
+        ValueError: ``available`` is below one sample with one row/tangent (callers check that
+            first, to report the minimum over all buckets).
     """
+    fp, bucket_size = group.footprint, len(group.indices)
+    itemsize, device = like.element_size(), like.device
+    full_inner = fp.outputs if mode is Mode.REV else numel  # rows (O) or tangents of a sample
     full = per_sample_bytes(fp, mode, numel, itemsize, full_inner, per_step)
     if available is None:
         target = DEFAULT_WORKSET_BYTES.get(device.type, DEFAULT_WORKSET_BYTES["cuda"])
@@ -173,22 +160,9 @@ def plan_chunks(
     one = per_sample_bytes(fp, mode, numel, itemsize, 1, per_step)
     step = one - per_sample_bytes(fp, mode, numel, itemsize, 0, per_step)
     inner = (available // n - (one - step)) // max(step, 1)
-    if inner < 1:  # the caller checks minimum_bytes first
+    if inner < 1:  # the caller checks the minimum first
         raise ValueError(f"memory_budget too small for {n} sample(s) with one row/tangent each")
     return Plan(n, int(min(inner, full_inner)))
-
-
-def minimum_bytes(
-    fp: Footprint,
-    *,
-    mode: Mode,
-    numel: int,
-    itemsize: int,
-    samples: int,
-    per_step: int | None = None,
-) -> int:
-    """Working memory of ``samples`` samples with one output row (rev) or tangent (fwd) each."""
-    return samples * per_sample_bytes(fp, mode, numel, itemsize, 1, per_step)
 
 
 #: Cost-model constants per device type: seconds per vectorised forward pass (Python tracing of
@@ -196,48 +170,36 @@ def minimum_bytes(
 #: (activation byte of one sample's forward x output rows or tangents), and the extra factor
 #: masked execution costs (a where() and an index_select per op). CPU numbers were measured with
 #: TinyFPN on 2 cores (torch 2.13, float32); CUDA numbers are estimates until measured.
+_SHARED_CONSTANTS = {"masked": 1.3, "structured_factor": 3.0, "rev_structured_min_numel": 4096}
 COST_CONSTANTS = {
-    "cpu": {
-        "call_s": 3e-3,
-        "unit_s": 1.2e-9,
-        "masked": 1.3,
-        "work_s": 2e-10,
-        "structured_factor": 3.0,
-        "rev_structured_min_numel": 4096,
-    },
-    "cuda": {
-        "call_s": 4e-3,
-        "unit_s": 2e-12,
-        "masked": 1.3,
-        "work_s": 2e-13,
-        "structured_factor": 3.0,
-        "rev_structured_min_numel": 4096,
-    },
+    "cpu": {"call_s": 3e-3, "unit_s": 1.2e-9, "work_s": 2e-10, **_SHARED_CONSTANTS},
+    "cuda": {"call_s": 4e-3, "unit_s": 2e-12, "work_s": 2e-13, **_SHARED_CONSTANTS},
 }
 
 
+def _constants(device: torch.device) -> dict[str, float]:
+    """:data:`COST_CONSTANTS` of ``device``'s type (CUDA's for other accelerators)."""
+    return COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])
+
+
 def estimate_seconds(
-    groups: list[tuple[int, int, Footprint, int]],
-    *,
-    mode: Mode,
-    numel: int,
-    padded: bool,
-    device: torch.device,
+    groups: list[tuple[int, int, Footprint]], plan: VectorPlan, padded: bool
 ) -> float:
-    """Expected time of a vectorised plan: for every group ``(samples, samples per call,
-    footprint, forward passes per call)``,
+    """Expected time of running every group ``(samples, samples per call, footprint)`` as
+    ``plan`` does (its mode, P, device and forward passes per call),
 
     ``calls * passes * call_s * f + samples * activations * width * unit_s * f``
 
     with ``width`` = O (rev) or P (fwd) and ``f`` = ``masked`` for the padded strategy, else 1.
     Only the comparison between strategies matters (``auto``), not the absolute value.
     """
-    c = COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])
+    c = _constants(plan.device)
     factor = c["masked"] if padded else 1.0
+    passes = len(plan.spans) if plan.mode is Mode.FWD else 1
     total = 0.0
-    for samples, per_call, fp, passes in groups:
+    for samples, per_call, fp in groups:
         calls = -(-samples // per_call)
-        width = fp.outputs if mode is Mode.REV else numel
+        width = fp.outputs if plan.mode is Mode.REV else plan.numel
         total += calls * passes * c["call_s"] + samples * fp.activations * width * c["unit_s"]
     return total * factor
 
@@ -303,25 +265,14 @@ def choose_mode(
     device: torch.device,
     tensor_numel: dict[str, int] | None = None,
 ) -> tuple[Mode, tuple[str, ...], dict[str, float]]:
-    """Pick ``rev``/``fwd`` (when ``mode`` is ``auto``) and the tensors that run structured.
+    """Pick ``rev``/``fwd`` (when ``mode`` is ``auto``) and the tensors that run structured,
+    by the cost model of ``docs/entries.md`` on the :func:`survey`'s per-tangent work.
 
-    Per sample, with ``O`` outputs, ``k_t`` entries of tensor ``t`` and per-tangent work
-    ``w_t`` (structured) / ``d_t`` (generic) from :func:`survey`:
-
-    * fwd: ``sum_t k_t (min(f w_t, d_t) + O)`` (``w_t`` only with ``entries`` auto/structured;
-      ``f = structured_factor``: a structured multiply-add runs about 3x slower than one of a
-      dense batched conv, measured on CPU: one-channel GEMMs, gathers, a Python mode per op);
-    * rev: ``O (2 max_t d_t + P)``: one backward per output row through every op after the
-      earliest selected tensor (input and weight gradients), then the row written.
-
-    Times ``work_s`` and the sample count, plus ``call_s`` per vectorised call (one per tensor in
-    fwd, one in rev). Returns the mode, the structured tensors (in fwd: those whose structured
-    work is lower; in rev: with ``entries='auto'`` the tensors of at least
-    ``rev_structured_min_numel`` entries (``tensor_numel``), every candidate with
-    ``'structured'``; the caller keeps weight entries) and the estimates in seconds (keys
-    ``fwd``, ``rev``).
+    Returns the mode, the structured tensors (in fwd: those whose structured work, times
+    ``structured_factor``, is lower; in rev: :func:`rev_structured`; the caller keeps weight
+    entries) and the estimates in seconds (keys ``fwd``, ``rev``).
     """
-    c = COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])
+    c = _constants(device)
     slow = c["structured_factor"]
     use = {
         n: ec.structured is not None
@@ -355,7 +306,7 @@ def rev_structured(
     The caller keeps weight entries (``structured.StructuredFunction``)."""
     if entries is Entries.GENERIC:
         return ()
-    big = COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])["rev_structured_min_numel"]
+    big = _constants(device)["rev_structured_min_numel"]
     return tuple(n for n in names if entries is Entries.STRUCTURED or tensor_numel.get(n, 0) >= big)
 
 
@@ -364,17 +315,17 @@ def rev_structured(
 class Group:
     """Samples that run through one vectorised function (a bucket, or the whole padded batch).
 
-    ``levels(idx)`` gives the vmapped level tensors of samples ``idx``; ``table`` (padded only)
-    ``(N, O_pad)`` marks the real output rows of every sample, which are compacted to the top.
+    ``levels(idx)`` gives the vmapped level tensors of samples ``idx``; ``footprint`` is measured
+    on the first sample; ``table`` (padded only) ``(N, O_pad)`` marks the real output rows of
+    every sample, which are compacted to the top; ``chunks`` are planned last.
     """
 
     indices: list[int]
     fn: Callable[..., Tensor]
     levels: Callable[[list[int]], list[Tensor]]
-    outputs: int
-    chunks: tuple[Plan, ...]  # rev: one; fwd: one per tangent span
     footprint: Footprint
     table: Tensor | None = None
+    chunks: tuple[Plan, ...] = ()  # rev: one; fwd: one per tangent span
 
 
 @dataclass(frozen=True)
@@ -386,22 +337,9 @@ class VectorPlan:
     groups: list[Group]
     spans: list[tuple[int, int]]  # column spans with their own forward pass (fwd)
     sizes: tuple[int, ...]  # O of every sample
-    num_samples: int
     numel: int
     device: torch.device
     structured: tuple[str, ...] = ()  # tensors run by the structured path
-
-
-@dataclass(frozen=True)
-class _Measured:
-    """A group before its chunks are planned: its samples, function, level maker, the
-    footprint of its first sample and (padded) the output table."""
-
-    indices: list[int]
-    fn: Callable[..., Tensor]
-    levels: Callable[[list[int]], list[Tensor]]
-    footprint: Footprint
-    table: Tensor | None = None
 
 
 def plan_strategy(
@@ -422,43 +360,27 @@ def plan_strategy(
     spans = tangent_groups(fn.subset, mode, options.randomness)
     steps = _steps(fn, measured, mode, spans, structured, costs)
     available = _available(fn, measured, sizes, mode, steps, options)
-    values = fn.values()
+    like = fn.values()[0]
     rev_fn = StructuredFunction(fn, structured) if mode is Mode.REV and structured else fn
     groups = [
-        Group(
-            indices=m.indices,
+        dataclasses.replace(
+            m,
             fn=rev_fn if m.fn is fn else m.fn,
-            levels=m.levels,
-            outputs=m.footprint.outputs,
-            footprint=m.footprint,
-            table=m.table,
             chunks=tuple(
-                plan_chunks(
-                    m.footprint,
-                    mode=mode,
-                    numel=width,
-                    full_inner=m.footprint.outputs if mode is Mode.REV else width,
-                    itemsize=values[0].element_size(),
-                    bucket_size=len(m.indices),
-                    chunk_size=options.chunk_size,
-                    available=available,
-                    device=values[0].device,
-                    per_step=per_step,
-                )
+                plan_chunks(m, mode, width, per_step, options.chunk_size, available, like)
                 for width, per_step in steps
             ),
         )
         for m in measured
     ]
-    n = len(packed)
     return VectorPlan(
-        strategy, mode, groups, spans, tuple(sizes), n, fn.subset.numel, fn.device, structured
+        strategy, mode, groups, spans, tuple(sizes), fn.subset.numel, fn.device, structured
     )
 
 
 def _measure_groups(
     fn: PerSampleFunction, packed: PackedBatch, strategy: Strategy
-) -> tuple[list[_Measured], list[int]]:
+) -> tuple[list[Group], list[int]]:
     """The groups with the footprint of their first sample, and every sample's ``O``."""
     values = fn.values()
     sizes = [0] * len(packed)
@@ -473,19 +395,19 @@ def _measure_groups(
             it = torch.tensor(idx, device=device)
             return [t.index_select(0, it) for t in packed.levels] + [it]
 
-        return [_Measured(list(range(len(packed))), pfn, padded_levels, fp, table)], sizes
+        return [Group(list(range(len(packed))), pfn, padded_levels, fp, table)], sizes
     measured = []
     for b in packed.buckets():
         fp = measure(fn, values, tuple(lv[0] for lv in packed.stack(b.indices[:1])))
         for i in b.indices:
             sizes[i] = fp.outputs
-        measured.append(_Measured(b.indices, fn, packed.stack, fp))
+        measured.append(Group(b.indices, fn, packed.stack, fp))
     return measured, sizes
 
 
 def _pick_mode(
     fn: PerSampleFunction,
-    measured: list[_Measured],
+    measured: list[Group],
     sizes: list[int],
     strategy: Strategy,
     options: EngineOptions,
@@ -545,7 +467,7 @@ def _pick_mode(
 
 def _steps(
     fn: PerSampleFunction,
-    measured: list[_Measured],
+    measured: list[Group],
     mode: Mode,
     spans: list[tuple[int, int]],
     structured: tuple[str, ...],
@@ -577,7 +499,7 @@ def _steps(
 
 def _available(
     fn: PerSampleFunction,
-    measured: list[_Measured],
+    measured: list[Group],
     sizes: list[int],
     mode: Mode,
     steps: list[tuple[int, int | None]],
@@ -595,15 +517,9 @@ def _available(
     itemsize = values[0].element_size()
     n, numel = len(sizes), fn.subset.numel
     result_bytes = n * max(sizes) * (numel + 1) * itemsize  # the Jacobian and the outputs
-    need = max(
-        minimum_bytes(
-            m.footprint,
-            mode=mode,
-            numel=width,
-            itemsize=itemsize,
-            samples=min(chunk_size or 1, len(m.indices)),
-            per_step=per_step,
-        )
+    need = max(  # one call of the smallest allowed size, one row/tangent at a time
+        min(chunk_size or 1, len(m.indices))
+        * per_sample_bytes(m.footprint, mode, width, itemsize, 1, per_step)
         for m in measured
         for width, per_step in steps
     )
@@ -646,15 +562,13 @@ def choose_strategy(
         )
     try:
         padded = plan_strategy(fn, packed, Strategy.PADDED, options, plan_notes[Strategy.PADDED])
-    except (UnsupportedOpError, MemoryBudgetError) as err:
-        why = f"auto: 'padded' not possible ({err}); chose 'bucketed'"
-        return chose(Strategy.BUCKETED, why, bucketed)
-    except RuntimeError as err:
-        why = (
-            f"auto: 'padded' not possible ({type(err).__name__} in its planning pass: "
-            f"{first_line(err)}); chose 'bucketed'"
+    except (UnsupportedOpError, MemoryBudgetError, RuntimeError) as err:
+        why = str(err)
+        if isinstance(err, RuntimeError):  # the planning pass itself failed
+            why = f"{type(err).__name__} in its planning pass: {first_line(err)}"
+        return chose(
+            Strategy.BUCKETED, f"auto: 'padded' not possible ({why}); chose 'bucketed'", bucketed
         )
-        return chose(Strategy.BUCKETED, why, bucketed)
     costs = {Strategy.BUCKETED: bucketed_s, Strategy.PADDED: plan_seconds(padded)}
     best = min(costs, key=costs.__getitem__)
     return chose(
@@ -673,35 +587,16 @@ def _padded_lower_bound(bucketed: VectorPlan) -> float:
     largest = Footprint(
         activations=max(g.footprint.activations for g in bucketed.groups),
         largest=max(g.footprint.largest for g in bucketed.groups),
-        outputs=max(g.outputs for g in bucketed.groups),
+        outputs=max(g.footprint.outputs for g in bucketed.groups),
     )
-    passes = len(bucketed.spans) if bucketed.mode is Mode.FWD else 1
-    return estimate_seconds(
-        [(bucketed.num_samples, bucketed.num_samples, largest, passes)],
-        mode=bucketed.mode,
-        numel=bucketed.numel,
-        padded=True,
-        device=bucketed.device,
-    )
+    n = len(bucketed.sizes)
+    return estimate_seconds([(n, n, largest)], bucketed, padded=True)
 
 
 def plan_seconds(plan: VectorPlan) -> float:
     """The cost model's estimate of a plan (:func:`estimate_seconds`)."""
-    return estimate_seconds(
-        [
-            (
-                len(g.indices),
-                min(c.samples for c in g.chunks),
-                g.footprint,
-                len(plan.spans) if plan.mode is Mode.FWD else 1,
-            )
-            for g in plan.groups
-        ],
-        mode=plan.mode,
-        numel=plan.numel,
-        padded=plan.strategy is Strategy.PADDED,
-        device=plan.device,
-    )
+    groups = [(len(g.indices), min(c.samples for c in g.chunks), g.footprint) for g in plan.groups]
+    return estimate_seconds(groups, plan, plan.strategy is Strategy.PADDED)
 
 
 def tangent_groups(
@@ -719,10 +614,7 @@ def tangent_groups(
 
 def span_tensor(subset: ParamSubset, span: tuple[int, int]) -> str | None:
     """The tensor whose columns are exactly ``span``, if any."""
-    for name in subset.names:
-        if subset.offsets[name] == span:
-            return name
-    return None
+    return next((name for name in subset.names if subset.offsets[name] == span), None)
 
 
 def first_line(err: BaseException) -> str:

@@ -25,8 +25,9 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from ._ops import SIGNATURES, bind_op
+from ._ops import SIGNATURES, bind_call, bind_op
 from .enums import InputKind
+from .packing import Structure
 from .subset import ParamSubset
 
 __all__ = ["PerSampleFunction", "dense_weight", "flatten_output"]
@@ -38,7 +39,9 @@ class PerSampleFunction:
     Args:
         model: The unmodified model.
         subset: The parameters to differentiate.
-        kind: How the model takes its input (:class:`~multiscale_jac.enums.InputKind`).
+        kind: How the model takes its input (:class:`~multiscale_jac.InputKind`, or the
+            :class:`~multiscale_jac.packing.Structure` of a ``PackedBatch``, which also knows
+            the keys of mapping inputs).
         output_fn: Optional callable applied to the model's output (batch dim of one kept).
         eval_batch_norm: Run train-mode BatchNorm layers with their running statistics.
         tokens: Give the model every level as tokens ``(1, positions, C_l)`` instead of
@@ -59,7 +62,7 @@ class PerSampleFunction:
         self,
         model: nn.Module,
         subset: ParamSubset,
-        kind: InputKind,
+        kind: InputKind | Structure,
         output_fn: Callable[[Any], Any] | None = None,
         *,
         eval_batch_norm: bool = False,
@@ -68,7 +71,8 @@ class PerSampleFunction:
         params = subset.check_model(model)
         self.model = model
         self.subset = subset
-        self.kind = InputKind(kind)
+        self.structure = kind if isinstance(kind, Structure) else Structure(InputKind(kind))
+        self.kind = self.structure.kind
         self.tokens = tokens
         self.output_fn = output_fn
         self.eval_batch_norm = eval_batch_norm
@@ -83,6 +87,11 @@ class PerSampleFunction:
             and m.training
             and m.num_batches_tracked is not None
         }
+        # an Embedding's max_norm renormalises its weight in place: run it out of place
+        self._max_norm = any(
+            isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+            for m in model.modules()
+        )
         self.flat_indices = {
             n: (None if i is None else i.to(self._base[n].device))
             for n, i in subset.indices.items()
@@ -160,7 +169,9 @@ class PerSampleFunction:
     def _run(self, stack: contextlib.ExitStack, params: dict[str, Tensor], batched: list) -> Any:
         if self.tokens:  # (n, C, *spatial) -> (n, positions, C), row-major positions
             batched = [b.flatten(2).transpose(1, 2) for b in batched]
-        arg: Any = batched[0] if self.kind is InputKind.TENSOR else batched
+        arg = self.structure.arrange(batched)
+        if self._max_norm:
+            stack.enter_context(_OutOfPlaceMaxNorm())
         if self.eval_batch_norm:
             params.update((n, b.clone()) for n, b in self._bn_counters.items())
             stack.enter_context(_EvalBatchNormMode())
@@ -212,6 +223,25 @@ def _collect(out: Any, path: str, leaves: list[Tensor]) -> None:
         raise TypeError(
             f"{path} is a {type(out).__name__}; model outputs must be tensors or lists/tuples/dicts of tensors"
         )
+
+
+class _OutOfPlaceMaxNorm(TorchFunctionMode):
+    """``F.embedding`` with ``max_norm`` without writing the weight: the looked-up rows are
+    renormalised out of place, with the derivative of torch's in-place renorm (the identity:
+    torch renormalises the weight without recording it)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        b = bind_call(func, args, kwargs) if func is F.embedding else None
+        if b is None or b["max_norm"] is None:
+            return func(*args, **kwargs)
+        max_norm, p = b["max_norm"], b["norm_type"]
+        rows = func(**{**b, "max_norm": None})
+        norms = torch.linalg.vector_norm(rows.detach(), ord=p, dim=-1, keepdim=True)
+        scale = torch.where(norms > max_norm, max_norm / (norms + 1e-7), torch.ones_like(norms))
+        return rows + (rows * (scale - 1)).detach()
 
 
 class _EvalBatchNormMode(TorchFunctionMode):

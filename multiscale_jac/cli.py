@@ -14,7 +14,6 @@ from types import ModuleType
 
 __all__ = ["main"]
 
-_DTYPES = {"float32": "float32", "float64": "float64"}
 #: overrides where ``multiscale-jac bench`` looks for the benchmarks folder
 _BENCH_ENV = "MULTISCALE_JAC_BENCHMARKS"
 
@@ -117,7 +116,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--dtype",
-        choices=sorted(_DTYPES),
+        choices=["float32", "float64"],
         default="float64",
         help="dtype of model and data (default float64)",
     )
@@ -191,20 +190,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command == "demo":
-        return _demo(args, parser)
-    if args.command == "bench":
-        return _bench(args, parser)
-    parser.error(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it)
-    return 2
-
-
-def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA device is available")
+    return {"demo": _demo, "bench": _bench}[args.command](args, parser)
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         driver = _load_driver()
     except FileNotFoundError as err:
@@ -239,9 +233,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from ._demo import format_rows, run_demo
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
-    dtype = getattr(torch, _DTYPES[args.dtype])
+    dtype = getattr(torch, args.dtype)
     rows = run_demo(
         samples=args.samples, entries=args.entries, seed=args.seed, device=args.device, dtype=dtype
     )

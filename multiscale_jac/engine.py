@@ -1,23 +1,13 @@
 """Per-sample Jacobians w.r.t. a parameter subset: the vectorised engine.
 
-Strategies (:class:`~multiscale_jac.enums.Strategy`):
-
-=========  ===========================================  ====================================
-strategy   runs                                         when it cannot run
-=========  ===========================================  ====================================
-vmap       one ``vmap`` over all samples                >1 shape signature -> bucketed
-bucketed   ``vmap`` within each shape-signature bucket  vmap error -> loop
-padded     one ``vmap`` over the padded batch, masked   unsupported op or error -> bucketed
-           after every op (``masked.MaskedMode``)
-loop       the reference loop                           (always runs)
-auto       vmap if one signature, else bucketed or      padded impossible -> bucketed (a note)
-           padded by the cost model (``_planning``)
-=========  ===========================================  ====================================
-
-A fallback is recorded on the result (``result.strategy``, ``result.fallback``) and
-:func:`per_sample_jacobian` warns once (:class:`~multiscale_jac.FallbackWarning`, at the
-caller's line); with ``strict=True`` it raises instead. The derived quantities call
-:func:`run_engine` with inputs they have already checked and report its fallbacks the same way.
+Strategies (:class:`~multiscale_jac.enums.Strategy`; what each runs and falls back to is tabled
+in ``docs/design.md``): ``vmap``, ``bucketed`` (``vmap`` per shape-signature bucket),
+``padded`` (one ``vmap`` over the padded batch under ``masked.MaskedMode``), ``loop`` (the
+reference, always runs) and ``auto`` (planned in ``_planning``). A fallback is recorded on the
+result (``result.strategy``, ``result.fallback``) and :func:`per_sample_jacobian` warns once
+(:class:`~multiscale_jac.FallbackWarning`, at the caller's line); with ``strict=True`` it raises
+instead. The derived quantities call :func:`run_engine` with inputs they have already checked
+and report its fallbacks the same way.
 
 Modes: ``rev`` vmaps ``jacrev`` (one backward per output row, batched); ``fwd`` vmaps JVPs with
 one-hot tangents, one parameter tensor at a time (a tangent on a deep tensor does not travel
@@ -55,6 +45,7 @@ from .entries import NotStructuredError, entry_call
 from .enums import (
     BatchNormPolicy,
     Entries,
+    InputKind,
     Mode,
     Randomness,
     Strategy,
@@ -83,6 +74,7 @@ def per_sample_jacobian(
     randomness: str | Randomness = "error",
     batch_norm: str | BatchNormPolicy = "error",
     strict: bool = False,
+    input_kind: str | InputKind | None = None,
 ) -> JacobianResult:
     """Per-sample Jacobians of ``model``'s outputs w.r.t. a subset of its parameters.
 
@@ -109,11 +101,14 @@ def per_sample_jacobian(
             train mode, as in ``torch.func.vmap``.
         batch_norm: ``"error"`` or ``"eval"``: what to do with BatchNorm layers in train mode.
         strict: Raise instead of falling back to another strategy.
+        input_kind: How to read ``inputs`` where it is ambiguous (see
+            :func:`~multiscale_jac.pack`).
 
     Returns:
         A :class:`JacobianResult`; ``.jacobian`` is ``(N, O, P)``, outputs padded to the largest
         ``O`` with ``.output_mask`` when samples have different output sizes; ``.outputs``
-        ``(N, O)`` the outputs of the same pass.
+        ``(N, O)`` the outputs of the same pass. Columns are in the subset's flat order, the
+        order the entries were given in.
 
     Raises:
         TypeError, ValueError: bad arguments (the message names the offending value);
@@ -126,6 +121,7 @@ def per_sample_jacobian(
         output_fn=output_fn,
         batch_norm=batch_norm,
         randomness=randomness,
+        input_kind=input_kind,
     )
     options = EngineOptions(
         mode=parse_enum(Mode, mode, "mode"),
@@ -148,8 +144,23 @@ def run_engine(
 
     Nothing is warned: a fallback is recorded on the result's ``fallback`` for the caller to
     report once (``options.strict`` raises instead).
+
+    Raises:
+        TypeError: the model failed on integer inputs (images not converted to float, token
+            ids into a layer that does not take integers).
     """
-    return _EngineRun(fn, packed, options).run()
+    try:
+        return _EngineRun(fn, packed, options).run()
+    except RuntimeError as err:
+        ints = [(lvl, t.dtype) for lvl, t in enumerate(packed.levels) if not t.is_floating_point()]
+        if not ints or "strict=True" in str(err):
+            raise
+        lvl, dtype = ints[0]
+        raise TypeError(
+            f"the model failed on the inputs, and level {lvl} holds integer data ({dtype}): "
+            f"{first_line(err)}. Convert images to floating point (x.float()); integer inputs "
+            "(token ids, class maps) are passed as data, for a layer that takes them"
+        ) from err
 
 
 class _EngineRun:
@@ -240,16 +251,13 @@ class _EngineRun:
                 continue
             chunks = [c for g in plan.groups for c in g.chunks]
             inner = [c.inner for c in chunks if c.inner is not None]
-            return self.result(
-                jac,
-                outputs,
-                plan.sizes,
-                ran,
-                plan.mode,
-                chunk_size=max(c.samples for c in chunks),
-                inner_chunk_size=min(inner) if inner else None,
-                structured=structured,
-            )
+            extra = {
+                "chunk_size": max(c.samples for c in chunks),
+                "inner_chunk_size": min(inner) if inner else None,
+                "structured": structured,
+            }
+            jac = self.fn.subset.to_flat_order(jac)  # the loop's rows are in that order already
+            return self.result(jac, outputs, plan.sizes, ran, plan.mode, **extra)
         jac, outputs, sizes = loop_jacobian(self.fn, self.packed)
         return self.result(jac, outputs, sizes, Strategy.LOOP, Mode.REV)
 
@@ -286,7 +294,7 @@ def _fill(
     run exactly is redone generically, with a note)."""
     subset, values = fn.subset, fn.values()
     structured = list(plan.structured) if plan.mode is Mode.FWD else []
-    shape = (plan.num_samples, max(plan.sizes), subset.numel)
+    shape = (len(plan.sizes), max(plan.sizes), subset.numel)
     # every entry is written unless output rows are padded
     ragged = len(set(plan.sizes)) > 1 or any(g.table is not None for g in plan.groups)
     jac = values[0].new_zeros(shape) if ragged else values[0].new_empty(shape)
@@ -299,7 +307,7 @@ def _fill(
                 _write(rows, idx, out.unsqueeze(-1), 0, 1, g.table)
                 for name, blk in zip(subset.names, blocks):
                     lo, hi = subset.offsets[name]
-                    _write(jac, idx, blk.reshape(len(idx), g.outputs, -1), lo, hi, g.table)
+                    _write(jac, idx, blk.reshape(*blk.shape[:2], -1), lo, hi, g.table)
             continue
         for span, chunks in zip(plan.spans, g.chunks):
             name = span_tensor(subset, span)
@@ -332,10 +340,9 @@ def _write(
     """Put ``block`` ``(n, O_g, hi - lo)`` of samples ``idx`` into ``jac``; with a ``table``,
     only each sample's real rows, moved to the top in order."""
     if table is None:
-        o = block.shape[1]
         contiguous = idx == list(range(idx[0], idx[-1] + 1))
         target = slice(idx[0], idx[-1] + 1) if contiguous else idx
-        jac[target, :o, lo:hi] = block
+        jac[target, : block.shape[1], lo:hi] = block
         return
     for k, i in enumerate(idx):
         rows = table[i].nonzero().squeeze(1).to(block.device)
@@ -376,12 +383,8 @@ def _fwd_block(
     Only the tensors overlapping ``span`` carry tangents (``span`` covers whole tensors).
     """
     lo, hi = span
-    names = subset.names
-    offsets = subset.offsets
+    names, offsets = subset.names, subset.offsets
     active = [k for k, n in enumerate(names) if lo <= offsets[n][0] and offsets[n][1] <= hi]
-    width = hi - lo
-    step = inner or width
-    inner_rand = "error" if randomness is Randomness.ERROR else "same"
 
     def per_sample(vals: tuple[Tensor, ...], *lv: Tensor) -> Tensor:
         def f_active(*act: Tensor) -> Tensor:
@@ -392,14 +395,14 @@ def _fwd_block(
 
         primals = tuple(vals[k] for k in active)
 
-        def one(tangent: Tensor) -> tuple[Tensor, Tensor]:
+        def one(tangent: Tensor, _j: Tensor) -> tuple[Tensor, Tensor]:
             tangents = []
             for k in active:
                 a, b = offsets[names[k]]
                 tangents.append(tangent[a - lo : b - lo].reshape(vals[k].shape))
             return jvp(f_active, primals, tuple(tangents))
 
-        return _columns(one, _one_hot_chunks(width, step, vals[0]), inner_rand)
+        return _columns(one, _one_hot_chunks(hi - lo, inner, vals[0]), randomness)
 
     in_dims = (None,) + (0,) * len(levels)
     return vmap(per_sample, in_dims=in_dims, randomness=randomness.value)(values, *levels)
@@ -412,37 +415,34 @@ def _entry_block(
     levels: list[Tensor],
     inner: int | None,
     randomness: Randomness,
-    stats: dict[str, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The outputs ``(n, O)`` and ``(n, O, k)``: the columns of tensor ``name`` by the structured
-    forward pass
-    (:mod:`~multiscale_jac.entries`): tangent ``e_j`` on its values and ``j`` on a dummy
-    scalar, one entry per tangent, vmapped over entries and samples."""
+    forward pass (:mod:`~multiscale_jac.entries`): tangent ``e_j`` on its values and ``j`` on a
+    dummy scalar, one entry per tangent, vmapped over entries and samples."""
     pos = fn.subset.names.index(name)
     v0 = values[pos]
-    k = v0.numel()
-    step = inner or k
-    inner_rand = "error" if randomness is Randomness.ERROR else "same"
 
     def per_sample(vals: tuple[Tensor, ...], *lv: Tensor) -> Tensor:
         c0 = v0.new_zeros(())
 
         def f(v: Tensor, c: Tensor) -> Tensor:
-            return entry_call(fn, name, vals, lv, v, c, stats=stats)
+            return entry_call(fn, name, vals, lv, v, c)
 
         def one(hot: Tensor, j: Tensor) -> tuple[Tensor, Tensor]:
             return jvp(f, (vals[pos], c0), (hot.view_as(v0), j))
 
-        return _columns(one, _one_hot_chunks(k, step, v0), inner_rand, with_index=True)
+        return _columns(one, _one_hot_chunks(v0.numel(), inner, v0), randomness)
 
     in_dims = (None,) + (0,) * len(levels)
     return vmap(per_sample, in_dims=in_dims, randomness=randomness.value)(values, *levels)
 
 
-def _one_hot_chunks(width: int, step: int, like: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """One-hot tangents ``(c, width)`` in chunks of ``step``, each with its column indices
-    ``(c,)`` (in ``like``'s dtype: the entry index ``j`` the structured pass reads)."""
+def _one_hot_chunks(width: int, inner: int | None, like: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """One-hot tangents ``(c, width)`` in chunks of ``inner`` (``None``: one chunk), each with its
+    column indices ``(c,)`` (in ``like``'s dtype: the entry index ``j`` the structured pass
+    reads)."""
     out = []
+    step = inner or width
     for s in range(0, width, step):
         c = min(step, width - s)
         hot = like.new_zeros((c, width))
@@ -452,18 +452,18 @@ def _one_hot_chunks(width: int, step: int, like: Tensor) -> list[tuple[Tensor, T
 
 
 def _columns(
-    one: Callable[..., tuple[Tensor, Tensor]],
+    one: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
     chunks: list[tuple[Tensor, Tensor]],
-    randomness: str,
-    with_index: bool = False,
+    randomness: Randomness,
 ) -> tuple[Tensor, Tensor]:
-    """``one`` (a JVP: primal and tangent output) vmapped over the one-hot tangents of every
-    chunk: the output ``(O,)`` and the columns ``(O, width)``. (Under ``vmap`` the primal comes
-    back once per tangent, all equal: the first is kept.)"""
+    """``one(tangent, j)`` (a JVP: primal and tangent output) vmapped over the one-hot tangents
+    of every chunk (all tangents of a sample see the same random draws): the output ``(O,)`` and
+    the columns ``(O, width)``. (Under ``vmap`` the primal comes back once per tangent, all
+    equal: the first is kept.)"""
+    inner = "error" if randomness is Randomness.ERROR else "same"
     out, cols = None, []
     for j, hot in chunks:
-        args = (hot, j) if with_index else (hot,)
-        primal, col = vmap(one, randomness=randomness)(*args)
+        primal, col = vmap(one, randomness=inner)(hot, j)
         out = primal[0] if out is None else out
         cols.append(col)
     return out, (cols[0] if len(cols) == 1 else torch.cat(cols)).transpose(0, 1)

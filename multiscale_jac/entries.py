@@ -1,34 +1,21 @@
 """Forward mode w.r.t. single entries of conv/linear weights and biases, at their own cost.
 
-The generic forward path gives every selected entry a one-hot tangent on its weight tensor: the
-layer then computes a full ``conv(x, W_dot)`` per entry and every later layer a dense tangent.
 For an entry ``W[o, i, u, v]`` of a conv (``W[o, i]`` of a linear layer, ``b[o]`` of a bias) the
 layer's output tangent is known in closed form: input channel ``i`` shifted by ``(u, v)`` (the
 ``unfold`` row of the entry; ``x[..., i]``; ones), placed in output channel ``o``, zero elsewhere.
-:class:`EntryMode` (a ``TorchFunctionMode``) runs one forward pass per selected tensor and
-exploits that structure twice:
+:class:`EntryMode` (a ``TorchFunctionMode``) runs one forward pass per selected tensor and keeps
+that tangent *pending* (``m * e_o (x) row_j``, ``m`` a multiplier) instead of forming it:
+elementwise ops multiply ``m`` by their derivative, a conv/linear layer reading the pending
+tensor gets only channel ``o`` (valid stride-1 convs compose into one kernel), and any other use
+materialises it (``docs/entries.md`` walks through the steps). So every path is exact; the
+structure only makes the common ones cheap. The entry index ``j`` travels as the tangent of a
+dummy scalar ``c0`` (the tangent on ``v`` is ``e_j``): both are set by the engine, one entry per
+tangent, which is the contract the closed forms rely on.
 
-* **pending tangents.** The layer's output is returned without a tangent and recorded as
-  *pending*: its tangent is ``m * e_o (x) row_j`` for entry ``j`` (``row_j`` from ``unfold``
-  of the layer's input, ``m`` a multiplier, initially one). Elementwise ops (ReLU, tanh, GELU,
-  BatchNorm in eval, dropout off, ...) keep it pending and multiply ``m`` by their derivative,
-  computed once on the primal (``jvp`` with a ones tangent), not once per entry.
-* **one-channel consumers.** A ``conv1d/conv2d`` (groups 1) or ``linear`` that reads a pending
-  tensor only needs channel ``o`` of its tangent: ``conv(m_o * row_j, W[:, o])``, one input
-  channel instead of ``C_in``. Its output carries an ordinary (dense) tangent from there on.
-
-Any other use of a pending tensor *materialises* it (a copy whose tangent is the dense one-hot
-outer product), and any use of the weight outside ``conv/linear`` gets the generic reparametrised
-weight ``W0.index_put(idx, v)``, whose tangent comes from the one-hot tangent on ``v``. So every
-path is exact; the structure only makes the common ones cheap. The entry index ``j`` travels as
-the tangent of a dummy scalar ``c0`` (the tangent on ``v`` is ``e_j``): both are set by the
-engine, one entry per tangent, which is the contract the closed forms rely on.
-
-Safety: a layer whose input carries a tangent (the same module called on its own output, or
-after an in-place op on a tensor with a tangent) takes the dense route. An in-place op on a
-pending tensor other than a whitelisted elementwise one, or on a tensor with a tangent after a
-pending tensor was copied, raises :class:`NotStructuredError`; the engine then runs the generic
-path for that tensor and records why.
+Safety: a layer whose input carries a tangent takes the dense route. An in-place op on a pending
+tensor other than a whitelisted elementwise one, or on a tensor with a tangent after a pending
+tensor was copied, raises :class:`NotStructuredError`; the engine then runs the generic path for
+that tensor and records why.
 """
 
 from __future__ import annotations
@@ -83,11 +70,15 @@ def entry_geometry(
 
 
 # ---------------------------------------------------------------------- autograd functions
-def _row(u: Tensor | None, m: Tensor | None, like: tuple, dim: int, j: Tensor, o: Tensor) -> Tensor:
-    """``m_o * row_j``: the pending tangent's one non-zero channel (size 1 at ``dim``);
-    ``like`` is ``(shape, dtype, device)`` of the pending tensor."""
+def _row(
+    ctx: Any, c_t: Tensor, u: Tensor | None, m: Tensor | None, ochan: Tensor, dim: int
+) -> tuple[Tensor, Tensor]:
+    """``(m_o * row_j, o)`` for the entry ``j`` (the tangent ``c_t``): the pending tangent's one
+    non-zero channel (size 1 at ``dim``); ``ctx.like`` is the pending tensor's (shape, dtype, device)."""
+    j = c_t.long().reshape(1)
+    o = ochan.index_select(0, j)
     if u is None:  # a bias entry: ones
-        shape, dtype, device = like
+        shape, dtype, device = ctx.like
         shape = list(shape)
         shape[dim] = 1
         row = torch.ones(shape, dtype=dtype, device=device)
@@ -95,7 +86,7 @@ def _row(u: Tensor | None, m: Tensor | None, like: tuple, dim: int, j: Tensor, o
         row = u.index_select(dim, j)
     if m is not None:
         row = row * m.index_select(dim, o)
-    return row
+    return row, o
 
 
 def _hot(o: Tensor, channels: int, ndim: int, dim: int, dtype: torch.dtype) -> Tensor:
@@ -148,9 +139,7 @@ class _Materialize(torch.autograd.Function):
     def jvp(ctx, y_t, c_t, *_):  # type: ignore[override]
         dim, has_tangent, channels, ndim, out_sp = ctx.spec
         u, ochan, m, kernels = _saved(ctx)
-        j = c_t.long().reshape(1)
-        o = ochan.index_select(0, j)
-        row = _row(u, m, ctx.like, dim, j, o)
+        row, o = _row(ctx, c_t, u, m, ochan, dim)
         if kernels is None:
             out = _hot(o, channels, ndim, dim, row.dtype) * row
         else:
@@ -183,9 +172,7 @@ class _Consume(torch.autograd.Function):
     def jvp(ctx, x_t, w_t, b_t, c_t, *_):  # type: ignore[override]
         kind, dim, conv = ctx.spec
         w, u, ochan, m = _saved(ctx)
-        j = c_t.long().reshape(1)
-        o = ochan.index_select(0, j)
-        t = _row(u, m, ctx.like, dim, j, o)  # (..., 1) or (B, 1, *spatial)
+        t, o = _row(ctx, c_t, u, m, ochan, dim)  # (..., 1) or (B, 1, *spatial)
         if kind == "linear":
             return t * w.index_select(1, o).squeeze(1)
         stride, padding, dilation, _ = conv
@@ -201,12 +188,15 @@ def _numel(out: Any) -> int:
     return 0
 
 
+def _fan_in(kind: str, w: Tensor) -> int:
+    """The inputs every output of a conv/linear layer with weight ``w`` sums over."""
+    return int(w.shape[-1] if kind == "linear" else w[0].numel())
+
+
 def _macs(kind: str, out: Any, args: tuple, kwargs: dict) -> int:
     """Multiply-adds of a conv/linear call (its output times the weight's fan-in)."""
     b = bind_op("linear" if kind == "linear" else "conv", args, kwargs)
-    w = b["weight"]
-    fan_in = w.shape[-1] if kind == "linear" else w[0].numel()
-    return _numel(out) * int(fan_in)
+    return _numel(out) * _fan_in(kind, b["weight"])
 
 
 # ---------------------------------------------------------------------- the mode
@@ -242,11 +232,8 @@ def _is_inplace(func: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-_INPLACE_DUNDERS = {
-    "__setitem__",
-    *(f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow")),
-    *(f"__i{op}__" for op in ("and", "or", "xor", "lshift", "rshift")),
-}
+_INPLACE_OPS = "add sub mul matmul truediv floordiv mod pow and or xor lshift rshift"
+_INPLACE_DUNDERS = {"__setitem__", *(f"__i{op}__" for op in _INPLACE_OPS.split())}
 #: ops whose output is (usually) a view: they create no new tangent memory
 _VIEWS = {
     *("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze"),
@@ -300,15 +287,10 @@ class EntryMode(TorchFunctionMode):
         self._pending: dict[int, _Pending] = {}
         self._tainted: dict[int, weakref.ref] = {}
         self._taint_all = False
-        #: counts of what ran: entry layers, one-channel consumers, copies, generic uses
-        self.stats = {
-            "entry": 0,
-            "consume": 0,
-            "chain": 0,
-            "materialize": 0,
-            "generic": 0,
-            "dense_entry": 0,
-        }
+        #: counts of what ran: entry layers, one-channel consumers, chained convs, copies,
+        #: generic uses, entry layers that took the dense route
+        kinds = ("entry", "consume", "chain", "materialize", "generic", "dense_entry")
+        self.stats = dict.fromkeys(kinds, 0)
         #: per-tangent work (multiply-adds or elements written) of this pass (``work``) and of
         #: the generic one-hot pass over the same ops (``dense_work``), and the elements of the
         #: tangents they create (``elems``, ``dense_elems``; a sum over ops, so an upper bound of
@@ -336,6 +318,10 @@ class EntryMode(TorchFunctionMode):
             return False
         r = self._tainted.get(id(t))
         return r is not None and r() is t
+
+    def _involved(self, t: Any) -> bool:
+        """``t`` is the selected tensor or carries a tangent (pending or not)."""
+        return t is self.alias or self._taint(t) or self._pend(t) is not None
 
     def _mark(self, out: Any) -> None:
         for t in out if isinstance(out, (list, tuple)) else (out,):
@@ -382,10 +368,7 @@ class EntryMode(TorchFunctionMode):
         if inplace and args:
             self._check_inplace(args[0])
         operands = list(tensors(args, kwargs))
-        touched = any(self._taint(t) or self._pend(t) is not None for t in operands) or any(
-            t is self.alias for t in operands
-        )
-        if not touched:
+        if not any(self._involved(t) for t in operands):
             return func(*args, **kwargs)
         if inplace and args and isinstance(args[0], Tensor) and not self._taint(args[0]):
             self._taint_all = True  # views of its base gain a tangent unseen
@@ -416,7 +399,7 @@ class EntryMode(TorchFunctionMode):
                 return None
             return self._entry(func, kind, b)
         p = self._pend(x)
-        if p is None or any(self._taint(t) or self._pend(t) is not None for t in (w, bias)):
+        if p is None or any(self._involved(t) for t in (w, bias)):
             return None
         if kind == "linear":
             if p.dim != x.dim() - 1 or p.kernels is not None:
@@ -433,12 +416,10 @@ class EntryMode(TorchFunctionMode):
         self.stats["consume"] += 1
         out = _Consume.apply(x, w, bias, self.c0, p.u, self.geo.ochan, p.m, spec)
         self._mark(out)
-        fan_in = w[0].numel() if kind != "linear" else w.shape[-1]
-        cols = out.numel() // max(out.shape[p.dim], 1) * fan_in // max(x.shape[p.dim], 1)
-        macs = out.numel() * fan_in
-        self._count(
-            macs // max(x.shape[p.dim], 1) + out.numel(), macs, out.numel() + cols, out.numel()
-        )
+        fan_in, c_in, o = _fan_in(kind, w), max(x.shape[p.dim], 1), out.numel()
+        cols = o // max(out.shape[p.dim], 1) * fan_in // c_in
+        macs = o * fan_in
+        self._count(macs // c_in + o, macs, o + cols, o)
         return out
 
     def _chain(self, func: Any, kind: str, b: dict, p: _Pending) -> Tensor:
@@ -453,8 +434,7 @@ class EntryMode(TorchFunctionMode):
             tconv = F.conv_transpose2d if kind == "conv2d" else F.conv_transpose1d
             kernels = tconv(p.kernels, w.transpose(0, 1))
         self.stats["chain"] += 1
-        macs = y.numel() * w[0].numel()
-        self._count(0, macs, 0, y.numel())
+        self._count(0, y.numel() * w[0].numel(), 0, y.numel())
         self._pending[id(y)] = _Pending(weakref.ref(y), p.u, p.m, 1, kernels, p.src)
         return y
 
@@ -483,7 +463,7 @@ class EntryMode(TorchFunctionMode):
             if not self.geo.is_bias:
                 cols = selected_columns(x, w, self.geo.flat, stride, padding, dilation, groups)
                 u = cols.view(x.shape[0], -1, *y.shape[2:])
-        macs = y.numel() * (w[0].numel() if kind != "linear" else w.shape[-1])
+        macs = y.numel() * _fan_in(kind, w)
         self._count(0, macs, 0, y.numel())
         if self._taint_all or self._taint(x):
             # the input carries a tangent too: dense route
@@ -504,8 +484,7 @@ class EntryMode(TorchFunctionMode):
         p = self._pend(y)
         if p is None or p.kernels is not None:
             return None
-        rest = list(tensors(args[1:], kwargs))
-        if any(self._taint(t) or self._pend(t) is not None or t is self.alias for t in rest):
+        if any(self._involved(t) for t in tensors(args[1:], kwargs)):
             return None
         b = bind_call(func, args, kwargs) if func in _ELEMENTWISE | _IDENTITY_IF_OFF else None
         if func in _IDENTITY_IF_OFF:  # dropout: the identity when not training
@@ -587,11 +566,6 @@ def entry_call(
         return fn.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
     finally:  # also what was counted before a NotStructuredError
         if stats is not None:
-            counts = {
-                "work": mode.work,
-                "dense_work": mode.dense_work,
-                "elems": mode.elems,
-                "dense_elems": mode.dense_elems,
-            }
+            counts = {k: getattr(mode, k) for k in ("work", "dense_work", "elems", "dense_elems")}
             for k, n in (*mode.stats.items(), *counts.items()):
                 stats[k] = stats.get(k, 0) + n

@@ -116,11 +116,16 @@ class InputKind(_StrEnum):
     """The structure the user passed to :func:`multiscale_jac.pack`.
 
     ``tensor``: one batched tensor ``(N, C, *spatial)``; the model gets ``(1, C, *spatial)``.
-    ``levels``: a list of L batched tensors ``(N, C_l, *spatial_l)``; the model gets a list.
-    ``samples``: a list of N samples, each a list of L tensors; the model gets a list.
+    ``tensors``: a list of N tensors ``(C, *spatial)``, one per sample (sizes may differ); the
+    model gets ``(1, C, *spatial)``.
+    ``levels``: L batched tensors ``(N, C_l, *spatial_l)`` in a list or a mapping; the model
+    gets a list (or the same mapping type with the same keys).
+    ``samples``: a list of N samples, each a list (or mapping) of L tensors; the model gets a
+    list (or mapping).
     """
 
     TENSOR = "tensor"
+    TENSORS = "tensors"
     LEVELS = "levels"
     SAMPLES = "samples"
 

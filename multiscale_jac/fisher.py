@@ -55,8 +55,10 @@ from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from .adapter import PerSampleFunction
 from .engine import run_engine
 from .enums import (
+    BatchNormPolicy,
     FisherKind,
     FisherMethod,
+    InputKind,
     LayerRule,
     Likelihood,
     MemoryBudgetError,
@@ -125,10 +127,11 @@ def diag_fisher(
     sigma_noise: float = 1.0,
     ignore_index: int = -100,
     method: str | FisherMethod = "auto",
+    input_kind: str | InputKind | None = None,
     chunk_size: int | None = None,
     memory_budget: int | None = None,
     randomness: str | Randomness = "error",
-    batch_norm: str = "error",
+    batch_norm: str | BatchNormPolicy = "error",
     strict: bool = False,
     progress: bool = False,
     generator: torch.Generator | None = None,
@@ -153,6 +156,8 @@ def diag_fisher(
         sigma_noise: Gaussian noise scale for ``regression``.
         ignore_index: Label of positions left out (classification).
         method: ``auto``, ``layerwise`` or ``vmap`` (see :class:`~multiscale_jac.FisherMethod`).
+        input_kind: How to read ``inputs`` where it is ambiguous (see
+            :func:`~multiscale_jac.pack`).
         chunk_size: Samples per batched run (``layerwise``; default: a whole shape bucket, as a
             training step would run it, or what ``memory_budget`` allows) or per vectorised call
             (``vmap``; default 32).
@@ -164,9 +169,7 @@ def diag_fisher(
         progress: A tqdm bar over the batches when a terminal is attached.
         generator: Seeds the labels drawn for ``kind="mc"``.
         process_group: With ``torch.distributed`` initialised, every rank processes its shard
-            of ``data`` (a ``DistributedSampler``'s, or every ``world_size``-th batch) and the
-            sums are all-reduced once at the end, so every rank gets the result over all of
-            the data; ``None`` uses the default group.
+            of ``data`` and the sums are all-reduced once: every rank gets the whole result.
 
     Returns:
         A :class:`DiagFisherResult`.
@@ -175,7 +178,12 @@ def diag_fisher(
         TypeError, ValueError: bad arguments or data (the message names the value).
     """
     prep = prepare(
-        model, params=params, output_fn=output_fn, batch_norm=batch_norm, randomness=randomness
+        model,
+        params=params,
+        output_fn=output_fn,
+        batch_norm=batch_norm,
+        randomness=randomness,
+        input_kind=input_kind,
     )
     opts = _Options(
         likelihood=parse_enum(Likelihood, likelihood, "likelihood"),
@@ -194,7 +202,7 @@ def diag_fisher(
     reducer = Reducer(process_group)
     for batch in with_progress(reducer.shard(data), show, "diag_fisher"):
         inputs, targets = pair(batch)
-        run.add(prep.pack(inputs), targets)
+        run.add(prep.pack(inputs, finite=True), targets)
     return run.result(reducer)
 
 
@@ -337,7 +345,6 @@ class _FisherRun:
         rest = tuple(n for n in fn.subset.names if n not in lw)
         sub = self._restrict(fn, packed, rest) if rest and lw else fn
         totals: dict[str, Tensor] = {}
-        flat_total = sub.values()[0].new_zeros(sub.subset.numel) if rest else None
         layerwise_chunk, vmap_chunk = self.chunks
         for b in packed.buckets():
             step = (layerwise_chunk or len(b.indices)) if lw else vmap_chunk
@@ -349,10 +356,8 @@ class _FisherRun:
                 noise = self._noise(out_shape)
                 if lw:
                     _add(totals, self._layerwise_chunk(fn, levels, y, noise))
-                if flat_total is not None:
-                    flat_total += self._vmap_chunk(sub, levels, y, noise, vmap_chunk)
-        if flat_total is not None:
-            totals.update(sub.subset.split(flat_total))
+                if rest:
+                    _add(totals, self._vmap_chunk(sub, levels, y, noise, vmap_chunk))
         return totals
 
     def _noise(self, out_shape: tuple[int, ...]) -> list[Tensor | None]:
@@ -381,8 +386,8 @@ class _FisherRun:
         y: Tensor,
         noise: list[Tensor | None],
         step: int,
-    ) -> Tensor:
-        """``sum_i g_i^2`` ``(P,)`` by ``vmap(grad)`` in calls of ``step`` samples."""
+    ) -> dict[str, Tensor]:
+        """``sum_i g_i^2`` per selected tensor by ``vmap(grad)`` in calls of ``step`` samples."""
         opts = self.opts
 
         def loss(vals: tuple[Tensor, ...], yi: Tensor, ui: Any, *lv: Tensor) -> Tensor:
@@ -391,7 +396,7 @@ class _FisherRun:
             return nll_sum(out, target, opts.likelihood, opts.sigma, opts.ignore)
 
         values = fn.values()
-        total = values[0].new_zeros(fn.subset.numel)
+        total: dict[str, Tensor] = {}
         for u in noise:
             in_dims = (None, 0, None if u is None else 0) + (0,) * len(levels)
             per_grad = vmap(grad(loss), in_dims=in_dims, randomness=self.prep.randomness.value)
@@ -399,8 +404,7 @@ class _FisherRun:
                 lv = [t[r : r + step] for t in levels]
                 ur = None if u is None else u[r : r + step]
                 g = per_grad(values, y[r : r + step], ur, *lv)  # per tensor (n, *selected)
-                sq = torch.cat([t.reshape(t.shape[0], -1) for t in g], dim=1) ** 2
-                total += sq.sum(0) / len(noise)
+                _add(total, {n: (t**2).sum(0) / len(noise) for n, t in zip(fn.subset.names, g)})
         return total
 
     def _layerwise_chunk(
@@ -502,14 +506,13 @@ class _FisherRun:
     # ------------------------------------------------------------------ result
     def result(self, reducer: Reducer) -> DiagFisherResult:
         like = self.subset.values(self.prep.model)[self.subset.names[0]]
-        flat = torch.cat(
-            [
-                self.totals[n].reshape(-1)
-                if n in self.totals
-                else like.new_zeros(self.subset.selected_shape(n).numel())
-                for n in self.subset.names
-            ]
-        )
+        grouped = [
+            self.totals[n].reshape(-1)
+            if n in self.totals
+            else like.new_zeros(self.subset.selected_shape(n).numel())
+            for n in self.subset.names
+        ]
+        flat = self.subset.to_flat_order(torch.cat(grouped))
         reducer.sum_([flat])
         (count,) = reducer.sum_numbers([float(self.count)], flat)
         if count == 0:

@@ -42,6 +42,7 @@ from ._stream import with_progress
 from .enums import (
     BatchNormPolicy,
     Estimator,
+    InputKind,
     JacNormMethod,
     MemoryBudgetError,
     Randomness,
@@ -64,6 +65,7 @@ def jacobian_sq_norm(
     *,
     params: ParamSubset | str | list[str] | None = None,
     output_fn: Callable[[Any], Any] | None = None,
+    input_kind: str | InputKind | None = None,
     method: str | JacNormMethod = "auto",
     estimator: str | Estimator = "exact",
     num_probes: int | None = None,
@@ -91,14 +93,14 @@ def jacobian_sq_norm(
         inputs: Anything :func:`~multiscale_jac.pack` accepts.
         params: The entries ``p`` summed over (a :class:`ParamSubset`, names or globs).
         output_fn: Applied to the model's output (batch dim of one kept) before flattening.
+        input_kind: How to read ``inputs`` where it is ambiguous (:func:`~multiscale_jac.pack`).
         method: ``auto``, ``layerwise`` or ``hvp`` (see :class:`~multiscale_jac.JacNormMethod`).
         estimator: ``exact`` or ``hutchinson``.
         num_probes: Probes per sample for ``hutchinson`` (default 8).
         chunk_size: Samples per batched run (``layerwise``; default: as many as keep the
             chunk's per-sample gradients under 16 MiB) or per vectorised call (``hvp``;
             default 16).
-        memory_budget: Bytes of the call's working set (the gradient it keeps included);
-            picks the chunk size when ``chunk_size`` is not given.
+        memory_budget: Bytes of the working set (the gradient included); picks the chunks.
         randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``. With
             dropout in train mode, ``different`` runs the layer-wise route, where the value and
             its gradient see the same masks (the backward restores the random state of the
@@ -111,10 +113,8 @@ def jacobian_sq_norm(
             ``scale * grad S`` into ``.grad``; the returned value is then detached.
         scale: The factor of the accumulated gradient (only with ``accumulate_grad=True``;
             otherwise multiply the returned value).
-        process_group: ``accumulate_grad=True`` only. With ``torch.distributed`` initialised,
-            ``inputs`` are this rank's samples; ``S`` and its gradient are summed over the
-            ranks (one all-reduce) before the gradient is added, so every rank gets the result
-            over all ranks' samples (``None``: the default group).
+        process_group: ``accumulate_grad=True`` only: ``inputs`` are this rank's samples,
+            and ``S`` and its gradient are summed over the ranks before the gradient is added.
 
     Returns:
         A 0-d tensor.
@@ -127,6 +127,7 @@ def jacobian_sq_norm(
         output_fn=output_fn,
         batch_norm=batch_norm,
         randomness=randomness,
+        input_kind=input_kind,
     )
     job = _Job(
         prep,
@@ -156,6 +157,7 @@ def jacobian_sq_norm_backward(
     *,
     params: ParamSubset | str | list[str] | None = None,
     output_fn: Callable[[Any], Any] | None = None,
+    input_kind: str | InputKind | None = None,
     method: str | JacNormMethod = "auto",
     estimator: str | Estimator = "exact",
     num_probes: int | None = None,
@@ -181,6 +183,7 @@ def jacobian_sq_norm_backward(
         inputs,
         params=params,
         output_fn=output_fn,
+        input_kind=input_kind,
         method=method,
         estimator=estimator,
         num_probes=num_probes,

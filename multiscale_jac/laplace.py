@@ -57,6 +57,7 @@ from .enums import (
     BatchNormPolicy,
     Entries,
     HessianKind,
+    InputKind,
     Likelihood,
     LinkApprox,
     MemoryBudgetError,
@@ -132,6 +133,7 @@ class SubnetLaplace:
         hessian: ``ggn`` (default) or ``empirical``.
         output_fn: Applied to the model's output (batch dim of one kept).
         ignore_index: Label of positions left out of dense classification.
+        input_kind: How to read inputs where it is ambiguous (:func:`~multiscale_jac.pack`).
         chunk_size: Samples per engine call (default: as many as the Jacobian rows allow).
         memory_budget: Bytes of the working set of :meth:`fit` and :meth:`predictive`,
             including the ``(P, P)`` curvature and its factor. Samples are taken in chunks and
@@ -164,6 +166,7 @@ class SubnetLaplace:
         hessian: str | HessianKind = "ggn",
         output_fn: Callable[[Any], Any] | None = None,
         ignore_index: int = -100,
+        input_kind: str | InputKind | None = None,
         chunk_size: int | None = None,
         memory_budget: int | None = None,
         randomness: str | Randomness = "error",
@@ -178,6 +181,7 @@ class SubnetLaplace:
             output_fn=output_fn,
             batch_norm=batch_norm,
             randomness=randomness,
+            input_kind=input_kind,
         )
         self.model, self.subset, self.output_fn = model, self._prep.subset, output_fn
         self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
@@ -187,8 +191,7 @@ class SubnetLaplace:
         self.memory_budget = check_memory_budget(memory_budget)
         self.strict = check_bool(strict, "strict")
         self.entries = parse_enum(Entries, entries, "entries")
-        values = self.subset.values(model)
-        self.mean = torch.cat([values[n].reshape(-1) for n in self.subset.names]).clone()
+        self.mean = self.subset.flatten(self.subset.check_model(model)).detach().clone()
         self.temperature = check_positive_number(temperature, "temperature")
         self.sigma_noise = check_positive_number(sigma_noise, "sigma_noise")
         if self.likelihood is Likelihood.CLASSIFICATION and self.sigma_noise != 1.0:
@@ -239,7 +242,7 @@ class SubnetLaplace:
         seen = 0
         for batch in with_progress(reducer.shard(data), progress, "SubnetLaplace.fit"):
             inputs, targets = pair(batch)
-            packed = self._prep.pack(inputs)
+            packed = self._prep.pack(inputs, finite=True)
             per_sample = [t.to(self.mean.device) for t in split_targets(targets, len(packed))]
             pending: Tensor | None = None  # empirical: a sample's gradient, over its blocks
             for block in self._jacobians(packed):
@@ -711,7 +714,9 @@ class SubnetLaplace:
             vec = t
         elif t.dim() == 1 and t.numel() == len(names):
             sizes = [b - a for a, b in self.subset.offsets.values()]
-            vec = torch.repeat_interleave(t, torch.tensor(sizes, device=device))
+            vec = self.subset.to_flat_order(
+                torch.repeat_interleave(t, torch.tensor(sizes, device=device))
+            )
         else:
             raise ValueError(
                 f"{what} must be a number, P={p} values or one per selected tensor "

@@ -14,18 +14,13 @@ weight row multiplies): Linear ``(N, *, in)`` -> ``L`` = the middle positions, `
 Conv1d/2d -> ``U = unfold(a)``, ``Ck = C_in / groups * prod(kernel)`` per group. The per-sample
 weight gradient is ``G_i = D_i U_i^T`` (per group), the bias gradient ``D_i.sum(-1)``.
 
-Rules, one per selected tensor (recorded as :attr:`LayerwisePlan.rules`):
-
-* ``gram``: ``sum_i G_i^2`` without forming ``G_i``: ``sum_i sum_{l,l'} (D_il D_il')(U_il U_il')``,
-  one matmul with inner size ``N L^2``; for a layer called once per sample with few positions
-  (``L = 1``, e.g. a Linear layer on vectors, is ``(delta^2)^T (a^2)``).
-* ``per_sample``: ``G_i`` formed for a chunk of samples at a time (bounded bytes), squared and
-  summed; for layers with many positions, and for layers called several times per sample
-  (a head shared over pyramid levels: the calls' gradients are summed before squaring).
-* ``norm_affine``: BatchNorm (running statistics), GroupNorm, LayerNorm:
-  ``G_i(weight) = sum delta_i * xhat_i``, ``G_i(bias) = sum delta_i`` over the non-channel dims.
-* ``vmap``: no closed form (other layer types, a parameter also read outside its layer, ...):
-  the caller computes these tensors with ``torch.func.vmap(grad)``.
+Rules, one per selected tensor (:attr:`LayerwisePlan.rules`, tabled in ``docs/derived.md``):
+``gram`` (``sum_i G_i^2`` as one matmul with inner size ``N L^2``, ``G_i`` never formed),
+``per_sample`` (``G_i`` formed for a chunk of samples, squared and summed; the calls' gradients
+of a layer called several times per sample are summed before squaring), ``norm_affine``
+(BatchNorm with running statistics, GroupNorm, LayerNorm: ``sum delta_i * xhat_i`` and
+``sum delta_i`` over the non-channel dims) and ``vmap`` (no closed form: the caller computes
+these tensors with ``torch.func.vmap(grad)``).
 
 ``gram`` vs ``per_sample`` is picked by a cost model in flop-equivalents: ``2 N L^2 Co Ck`` for
 ``gram`` and ``2 N L Co Ck + COST_PER_ENTRY * N Co Ck`` for ``per_sample`` (forming, squaring and
@@ -47,7 +42,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ._ops import numeric_padding
+from ._ops import named, numeric_padding
 from .adapter import PerSampleFunction
 from .enums import LayerRule
 from .subset import ParamSubset
@@ -212,11 +207,10 @@ class LayerwiseRun:
         self.temp_bytes = temp_bytes
         self.create_graph = create_graph
         self.sites = [plan.sites[n] for n in plan.layerwise_names]
-        for s in self.sites:
-            s.calls = []
         self._by_module: dict[int, list[_Site]] = {}
         self._modules: dict[int, nn.Module] = {}
         for s in self.sites:
+            s.calls = []
             for m in s.modules:
                 self._by_module.setdefault(id(m), []).append(s)
                 self._modules[id(m)] = m
@@ -242,8 +236,7 @@ class LayerwiseRun:
         if (
             buf is None
             or buf.numel() < numel
-            or buf.dtype != like.dtype
-            or buf.device != like.device
+            or (buf.dtype, buf.device) != (like.dtype, like.device)
         ):
             buf = self._work[key] = like.new_empty(numel)
         return buf[:numel].view(shape)
@@ -275,15 +268,12 @@ class LayerwiseRun:
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._watch.inside -= 1
+        kind = type(module).__name__
         if len(args) != 1 or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
-            self._error = NotLayerwiseError(
-                f"{type(module).__name__} was called with other than one tensor"
-            )
+            self._error = NotLayerwiseError(f"{kind} was called with other than one tensor")
             return
         if not output.requires_grad:
-            self._error = NotLayerwiseError(
-                f"the output of a {type(module).__name__} does not require grad"
-            )
+            self._error = NotLayerwiseError(f"the output of a {kind} does not require grad")
             return
         call = _Call(module, args[0] if self.create_graph else args[0].detach())
         sites = self._by_module[id(module)]
@@ -396,7 +386,10 @@ class LayerwiseRun:
             if self.create_graph:
                 self._add(s, (per * per).sum(0))
             else:
-                _accumulate_squares(self._accumulator(s, per), per, self._weight)
+                acc = self._sums.get(s.name)
+                if acc is None:
+                    acc = self._sums[s.name] = torch.zeros_like(per[0])
+                _accumulate_squares(acc, per, self._weight)
             return
         n = per.shape[0] if n is None else n
         buf = self._buffers.get(s.name)
@@ -412,13 +405,6 @@ class LayerwiseRun:
         if rows.stop == n and all(c.received == self._objective + 1 for c in s.calls):
             del self._buffers[s.name]
             self._add(s, (buf * buf).sum(0))
-
-    def _accumulator(self, s: _Site, like: Tensor) -> Tensor:
-        """The site's running sum (no graph: updated in place)."""
-        acc = self._sums.get(s.name)
-        if acc is None:
-            acc = self._sums[s.name] = torch.zeros_like(like[0])
-        return acc
 
     def _add(self, s: _Site, sq: Tensor) -> None:
         sq = sq if self._weight == 1.0 else sq * self._weight
@@ -489,12 +475,7 @@ class _NoDropout(TorchFunctionMode):
 
 
 _DROPOUTS = {
-    F.dropout,
-    F.dropout1d,
-    F.dropout2d,
-    F.dropout3d,
-    F.alpha_dropout,
-    F.feature_alpha_dropout,
+    *named(F, "dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout"),
     torch.dropout,
 }
 
@@ -613,8 +594,6 @@ def _per_sample_weight(d: Tensor, u: Tensor, groups: int, out: Tensor | None = N
     """``G_i = D_i U_i^T`` per group: ``(c, Co, Ck / groups)`` (written into ``out`` if given)."""
     c, co, positions = d.shape
     if groups == 1:
-        if out is None:
-            return torch.bmm(d, u.transpose(1, 2))
         return torch.bmm(d, u.transpose(1, 2), out=out)
     dg = d.view(c, groups, co // groups, positions)
     ug = u.view(c, groups, u.shape[1] // groups, positions)

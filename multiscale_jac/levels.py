@@ -1,20 +1,16 @@
 """Level packing for heads shared across pyramid levels: :func:`map_levels`.
 
-Detection heads apply one conv tower to every FPN level (``[head(x) for x in levels]``). That
-list comprehension calls every layer once per level. :func:`map_levels` instead lays the levels
-side by side on one **canvas** with zero gutters between them, runs the module once, and cuts the
-per-level outputs back out. A ``TorchFunctionMode`` (:class:`CanvasMode`) keeps this exact: after
-every op it re-zeroes everything outside the level boxes, maps the boxes through the op (a
-stride-2 conv halves them; the canvas offsets are multiples of the total stride so they stay
-aligned), checks that no window reaches from one level into another (the gutters are wide
-enough), fills gutters with ``-inf`` for max pooling, divides average pools per level, and
-normalises (GroupNorm/InstanceNorm) with statistics per level. An op it has no rule
-for, or a gutter that turns out too narrow, makes it fall back to the per-level loop, recorded on
-the returned :class:`LevelOutputs`.
-
-Padding every level to the largest and stacking them (the other obvious packing) does about
-``L / 1.33`` times the useful work on an FPN; the canvas wastes only its gutters and the corner
-left free by the shelf layout (``docs/padded.md`` has the measurements).
+Detection heads apply one conv tower to every FPN level (``[head(x) for x in levels]``).
+:func:`map_levels` instead lays the levels side by side on one **canvas** with zero gutters
+between them, runs the module once, and cuts the per-level outputs back out. A
+``TorchFunctionMode`` (:class:`CanvasMode`) keeps this exact: after every op it re-zeroes
+everything outside the level boxes, maps the boxes through the op (a stride-2 conv halves them;
+the canvas offsets are multiples of the total stride so they stay aligned), checks that no window
+reaches from one level into another, fills gutters with ``-inf`` for max pooling, divides average
+pools per level, and normalises (GroupNorm/InstanceNorm) with statistics per level. An op it has
+no rule for, or a gutter that turns out too narrow, makes it fall back to the per-level loop,
+recorded on the returned :class:`LevelOutputs`. ``docs/padded.md`` measures it against padding
+every level to the largest and stacking them.
 """
 
 from __future__ import annotations
@@ -35,7 +31,6 @@ from ._ops import (
     SAVES_OUTPUT_INPLACE,
     SINGULAR,
     UNARY,
-    ZERO_PRESERVING_INPLACE,
     RuleMode,
     avg_divisor,
     bind_op,
@@ -46,7 +41,6 @@ from ._ops import (
     require_more_than_one,
     tensors,
     with_input,
-    zero_preserving,
 )
 from .enums import FallbackWarning, UnsupportedOpError
 from .masked import MaskedMode
@@ -213,8 +207,6 @@ def _geometry(module: Any) -> tuple[int, int]:
             r = max(max(pp, dd * (kk - 1) - pp + ss - 1) for pp, dd, kk, ss in zip(p, d, k, s))
             reach = max(reach, r * stride)
             stride *= max(s)
-        elif isinstance(m, nn.Upsample):
-            pass
     return stride, reach
 
 
@@ -230,9 +222,7 @@ def _shelf(sizes: list[tuple[int, int]], gutter: int, stride: int) -> tuple[list
     h0, w0 = sizes[order[0]]
     boxes[order[0]] = (0, 0, h0, w0)
     col_x = up(w0 + gutter)
-    y = 0
-    col_w = 0
-    height = h0
+    y, col_w, height = 0, 0, h0
     for k in order[1:]:
         h, w = sizes[k]
         if y > 0 and y + h > max(height, h0):
@@ -298,19 +288,19 @@ class CanvasMode(RuleMode):
         self._boxes[id(t)] = (t, boxes)
         return t
 
-    def mask(self, boxes: list[Box], shape: Sequence[int], device: torch.device) -> Tensor:
-        """``(H, W)`` bool, true inside the boxes (cached per layout for this call)."""
-        key = (tuple(boxes), tuple(shape[-2:]), str(device))
+    def mask(self, boxes: list[Box], like: Tensor) -> Tensor:
+        """``(H, W)`` bool for a canvas ``like``, true inside the boxes (cached per layout)."""
+        key = (tuple(boxes), tuple(like.shape[-2:]), str(like.device))
         m = self._masks.get(key)
         if m is None:
-            m = torch.zeros(shape[-2:], dtype=torch.bool, device=device)
+            m = torch.zeros(like.shape[-2:], dtype=torch.bool, device=like.device)
             for y, x, h, w in boxes:
                 m[y : y + h, x : x + w] = True
             self._masks[key] = m
         return m
 
     def rezero(self, out: Tensor, boxes: list[Box]) -> Tensor:
-        return self.track(torch.where(self.mask(boxes, out.shape, out.device), out, 0), boxes)
+        return self.track(torch.where(self.mask(boxes, out), out, 0), boxes)
 
 
 def _common_boxes(mode: CanvasMode, func: Any, operands: Sequence[Tensor]) -> list[Box]:
@@ -338,21 +328,11 @@ def _elementwise(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Any:
         )
     if func in SAVES_OUTPUT_INPLACE:
         raise mode.unsupported(func, "an in-place op whose backward reads its output")
-    if func in SINGULAR:  # keep gutters away from 0 where the op is singular
-        args = tuple(
-            torch.where(mode.mask(mode.boxes(a), a.shape, a.device), a, 1.0)
-            if mode.boxes(a) is not None and i in SINGULAR[func]
-            else a
-            for i, a in enumerate(args)
-        )
+    args = mode.singular_safe(func, args)  # keep gutters away from 0 where the op is singular
     out = func(*args, **kwargs)
     if not isinstance(out, Tensor):
         return out
-    if any(out is t for t in operands) or kwargs.get("inplace", False):
-        if func not in ZERO_PRESERVING_INPLACE and not zero_preserving(func, args, kwargs, mode):
-            out.masked_fill_(~mode.mask(boxes, out.shape, out.device), 0)
-        return mode.track(out, boxes)
-    return mode.rezero(out, boxes)
+    return mode.settle(func, args, kwargs, operands, out, boxes)
 
 
 def _window(
@@ -423,8 +403,7 @@ def _max_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     kernel, stride, padding = pool_args(b, 2)
     dilation = ntuple(b["dilation"], 2)
     boxes = _window(mode, func, mode.boxes(x), kernel, stride, padding, dilation, b["ceil_mode"])
-    filled = torch.where(mode.mask(mode.boxes(x), x.shape, x.device), x, -math.inf)
-    new_args, new_kwargs = with_input(args, kwargs, filled)
+    new_args, new_kwargs = with_input(args, kwargs, mode.fill(x, mode.boxes(x), -math.inf))
     return mode.rezero(func(*new_args, **new_kwargs), boxes)
 
 
@@ -441,7 +420,7 @@ def _avg_pool(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     # PyTorch's divisor for every level's own size, pasted at the level's output box
     sizes = torch.tensor([[h, w] for _, _, h, w in in_boxes], device=x.device)
     extent = (max(oh for _, _, oh, _ in boxes), max(ow for _, _, _, ow in boxes))
-    table = avg_divisor(sizes, extent, kernel, stride, padding, b["count_include_pad"], x.dtype)
+    table = avg_divisor(sizes, extent, b, x.dtype)
     divisor = torch.ones(sums.shape[-2:], dtype=x.dtype, device=x.device)
     for level, (oy, ox, oh, ow) in enumerate(boxes):
         divisor[oy : oy + oh, ox : ox + ow] = table[level, :oh, :ow]

@@ -9,15 +9,12 @@ into a ragged vector, ...). Ops whose padded result can differ from the unpadded
 special rule (max pooling fills padding with ``-inf``; norms use masked statistics); ops with no
 exact rule raise :class:`UnsupportedOpError` naming the op and the module that called it.
 
-Mechanism: a ``torch.overrides.TorchFunctionMode`` (``_ops.RuleMode``, the rule-table mode that
-level packing shares, with the op tables) that sees every torch function the model calls, inside
-``vmap``/``jacrev``/``jvp`` (the transforms trace the Python function once per call, so the mode
-runs once per vectorised call). Regions are *concrete* tables over the whole
-batch, ``(N, *extent)`` booleans; inside ``vmap`` each sample picks its row through a batched
-sample index. Concrete tables keep every rule's checks (equal regions for binary ops, a kernel
-that fits every sample) plain Python, which vmap's batched values could not do.
-Chosen over an ``fx.Interpreter`` because it needs no tracing, keeps the model's Python control
-flow and works on any module (see ``docs/padded.md``).
+Mechanism (``docs/padded.md`` says why not ``torch.fx``): a ``TorchFunctionMode``
+(``_ops.RuleMode``, shared with level packing) that sees every torch function the model calls,
+inside ``vmap``/``jacrev``/``jvp``. Regions are *concrete* tables over the whole batch,
+``(N, *extent)`` booleans; inside ``vmap`` each sample picks its row through a batched sample
+index, so every rule's checks (equal regions for binary ops, a kernel that fits every sample)
+stay plain Python.
 """
 
 from __future__ import annotations
@@ -38,7 +35,6 @@ from ._ops import (
     SIGNATURES,
     SINGULAR,
     UNARY,
-    ZERO_PRESERVING_INPLACE,
     RuleMode,
     avg_divisor,
     bind_op,
@@ -50,7 +46,6 @@ from ._ops import (
     require_more_than_one,
     tensors,
     with_input,
-    zero_preserving,
 )
 from .enums import UnsupportedOpError
 
@@ -92,9 +87,7 @@ class Region:
         table = torch.ones((n, *extent), dtype=torch.bool, device=sizes.device)
         for k, m in enumerate(extent):
             inside = torch.arange(m, device=sizes.device).unsqueeze(0) < sizes[:, k : k + 1]
-            shape = [n] + [1] * len(extent)
-            shape[1 + k] = m
-            table = table & inside.reshape(shape)
+            table = table & inside.reshape(n, *(m if j == k else 1 for j in range(len(extent))))
         return Region(tuple(dims), table, sizes)
 
     @property
@@ -186,18 +179,22 @@ class MaskedMode(RuleMode):
 
     def track(self, t: Tensor, region: Region | None) -> Tensor:
         """Record ``region`` for ``t`` (compacted; nothing if fully real)."""
-        region = compact(region)
-        key = id(t)
+        region, key = compact(region), id(t)
         if region is None:
             self._regions.pop(key, None)
-            return t
-        self._regions[key] = (weakref.ref(t, lambda _, k=key: self._regions.pop(k, None)), region)
+        else:
+            forget = weakref.ref(t, lambda _, k=key: self._regions.pop(k, None))
+            self._regions[key] = (forget, region)
         return t
 
-    def mask(self, region: Region, ndim: int) -> Tensor:
-        """This sample's bool mask, shaped to broadcast against a tensor of ``ndim`` dims."""
-        m = region.table.index_select(0, self._index.to(region.table.device))[0]
-        shape = [1] * ndim
+    def row(self, table: Tensor) -> Tensor:
+        """This sample's row of a concrete ``(N, ...)`` table."""
+        return table.index_select(0, self._index.to(table.device))[0]
+
+    def mask(self, region: Region, like: Tensor) -> Tensor:
+        """This sample's bool mask, shaped to broadcast against ``like``."""
+        m = self.row(region.table)
+        shape = [1] * like.dim()
         for k, d in enumerate(region.dims):
             shape[d] = m.shape[k]
         return m.reshape(shape)
@@ -207,13 +204,13 @@ class MaskedMode(RuleMode):
         region = compact(region)
         if region is None:
             return out
-        return self.track(torch.where(self.mask(region, out.dim()), out, 0), region)
+        return self.track(torch.where(self.mask(region, out), out, 0), region)
 
-    def fill(self, t: Tensor, region: Region | None, value: float) -> Tensor:
-        """``t`` with ``value`` outside ``region`` (untracked helper for pooling/normalising)."""
-        if region is None:
-            return t
-        return torch.where(self.mask(region, t.dim()), t, value)
+    def rezero_box(self, out: Tensor, sizes: Tensor, nsp: int) -> Tensor:
+        """``out`` re-zeroed outside the top-left box of ``sizes`` over its last ``nsp`` dims."""
+        return self.rezero(
+            out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim()))
+        )
 
 
 # ---------------------------------------------------------------------- elementwise
@@ -248,12 +245,7 @@ def _elementwise(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Any:
             "an in-place op that does not keep 0 at 0 and whose backward reads its output "
             "(re-zeroing the padding would modify a saved tensor); use the out-of-place form",
         )
-    if func in SINGULAR:
-        args = list(args)
-        for pos in SINGULAR[func]:
-            if pos < len(args) and mode.region(args[pos]) is not None:
-                args[pos] = mode.fill(args[pos], mode.region(args[pos]), 1.0)
-        args = tuple(args)
+    args = mode.singular_safe(func, args)
     out = func(*args, **kwargs)
     if not isinstance(out, Tensor):
         return out
@@ -268,12 +260,7 @@ def _elementwise(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Any:
                         "an unpadded tensor combined position by position with a flattened "
                         "padded one (positions differ from the unpadded model's)",
                     )
-    inplace = any(out is t for t in operands) or kwargs.get("inplace", False)
-    if inplace:
-        if func not in ZERO_PRESERVING_INPLACE and not zero_preserving(func, args, kwargs, mode):
-            out.masked_fill_(~mode.mask(region, out.dim()), 0)
-        return mode.track(out, region)
-    return mode.rezero(out, region)
+    return mode.settle(func, args, kwargs, operands, out, region)
 
 
 # ---------------------------------------------------------------------- spatial helpers
@@ -289,24 +276,19 @@ def _spatial_region(mode: MaskedMode, func: Any, x: Tensor, nsp: int) -> Region:
             "its input's padding is not a top-left box over the spatial dims (for example "
             "after a flatten or a reshape)",
         )
-    sizes = (
-        torch.stack(
-            [
-                r.sizes[:, r.dims.index(d)]
-                if d in r.dims
-                else torch.full_like(r.sizes[:, 0], x.shape[d])
-                for d in dims
-            ],
-            dim=1,
-        )
-        if r.dims != dims
-        else r.sizes
-    )
+    sizes = r.sizes
+    if r.dims != dims:
+        columns = [
+            r.sizes[:, r.dims.index(d)]
+            if d in r.dims
+            else torch.full_like(r.sizes[:, 0], x.shape[d])
+            for d in dims
+        ]
+        sizes = torch.stack(columns, dim=1)
     return Region.box(sizes, [x.shape[d] for d in dims], dims)
 
 
 def _out_sizes(
-    mode: MaskedMode,
     func: Any,
     sizes: Tensor,
     kernel: Sequence[int],
@@ -344,67 +326,53 @@ def _conv(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     if mode.region(w) is not None or (b["bias"] is not None and mode.region(b["bias"]) is not None):
         raise mode.unsupported(func, "a padded tensor as conv weight")
     nsp = w.dim() - 2
-    region = _spatial_region(mode, func, x, nsp)
-    kernel = tuple(w.shape[2:])
-    stride = ntuple(b["stride"], nsp)
-    dilation = ntuple(b["dilation"], nsp)
-    padding = b["padding"]
-    if padding == "valid":
-        padding = (0,) * nsp
-    elif padding == "same":
-        padding = tuple(
-            d * (k - 1) // 2 for d, k in zip(dilation, kernel)
-        )  # left part; right is read from zeros
-        sizes = region.sizes
-        out = func(*args, **kwargs)
-        return mode.rezero(
-            out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim()))
-        )
-    padding = ntuple(padding, nsp)
-    sizes = _out_sizes(mode, func, region.sizes, kernel, stride, padding, dilation)
-    out = func(*args, **kwargs)
-    return mode.rezero(out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim())))
+    sizes = _spatial_region(mode, func, x, nsp).sizes
+    if b["padding"] != "same":  # 'same' keeps every sample's sizes (the padding reads zeros)
+        padding = (0,) * nsp if b["padding"] == "valid" else ntuple(b["padding"], nsp)
+        stride, dilation = ntuple(b["stride"], nsp), ntuple(b["dilation"], nsp)
+        sizes = _out_sizes(func, sizes, tuple(w.shape[2:]), stride, padding, dilation)
+    return mode.rezero_box(func(*args, **kwargs), sizes, nsp)
 
 
 # ---------------------------------------------------------------------- pooling
-def _max_pool(nsp: int) -> Callable[..., Tensor]:
-    def rule(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-        b = bind_op("max_pool", args, kwargs)
-        if b["return_indices"]:
-            raise mode.unsupported(func, "return_indices=True (indices refer to padded positions)")
-        x = b["input"]
-        region = _spatial_region(mode, func, x, nsp)
-        kernel, stride, padding = pool_args(b, nsp)
-        dilation = ntuple(b["dilation"], nsp)
-        sizes = _out_sizes(
-            mode, func, region.sizes, kernel, stride, padding, dilation, b["ceil_mode"]
-        )
-        new_args, new_kwargs = with_input(args, kwargs, mode.fill(x, region, -math.inf))
-        out = func(*new_args, **new_kwargs)
-        return mode.rezero(
-            out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim()))
-        )
-
-    return rule
+_MAX_POOLS = [
+    *named(F, "max_pool1d max_pool2d max_pool3d"),
+    *named(torch, "max_pool1d max_pool2d max_pool3d"),
+]
+_AVG_POOLS = named(F, "avg_pool1d avg_pool2d avg_pool3d")
+_ADAPTIVE_AVG = named(F, "adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d")
+_ADAPTIVE_MAX = named(F, "adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d")
+#: spatial dims of every pooling op (each list above goes 1d, 2d, 3d)
+_NSP = {
+    f: 1 + k % 3
+    for funcs in (_MAX_POOLS, _AVG_POOLS, _ADAPTIVE_AVG, _ADAPTIVE_MAX)
+    for k, f in enumerate(funcs)
+}
 
 
-MaskedMode.rule(F.max_pool1d, torch.max_pool1d)(_max_pool(1))
-MaskedMode.rule(F.max_pool2d, torch.max_pool2d)(_max_pool(2))
-MaskedMode.rule(F.max_pool3d, torch.max_pool3d)(_max_pool(3))
+@MaskedMode.rule(*_MAX_POOLS)
+def _max_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    nsp = _NSP[func]
+    b = bind_op("max_pool", args, kwargs)
+    if b["return_indices"]:
+        raise mode.unsupported(func, "return_indices=True (indices refer to padded positions)")
+    x = b["input"]
+    region = _spatial_region(mode, func, x, nsp)
+    kernel, stride, padding = pool_args(b, nsp)
+    dilation = ntuple(b["dilation"], nsp)
+    sizes = _out_sizes(func, region.sizes, kernel, stride, padding, dilation, b["ceil_mode"])
+    new_args, new_kwargs = with_input(args, kwargs, mode.fill(x, region, -math.inf))
+    return mode.rezero_box(func(*new_args, **new_kwargs), sizes, nsp)
 
-_AVG_POOL = {F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3}
 
-
-@MaskedMode.rule(*_AVG_POOL)
+@MaskedMode.rule(*_AVG_POOLS)
 def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    nsp = _AVG_POOL[func]
+    nsp = _NSP[func]
     b = bind_op("avg_pool", args, kwargs)
     x = b["input"]
     region = _spatial_region(mode, func, x, nsp)
     kernel, stride, padding = pool_args(b, nsp)
-    sizes = _out_sizes(
-        mode, func, region.sizes, kernel, stride, padding, (1,) * nsp, b["ceil_mode"]
-    )
+    sizes = _out_sizes(func, region.sizes, kernel, stride, padding, (1,) * nsp, b["ceil_mode"])
     # window sums (padding and the padded region hold zeros), divided per sample like PyTorch
     x2 = x.unsqueeze(-1) if nsp == 1 else x
     k2, s2, p2 = (
@@ -420,29 +388,14 @@ def _avg_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
             (1,) * sums.dim(), float(b["divisor_override"]), dtype=sums.dtype, device=sums.device
         )
     else:
-        table = avg_divisor(
-            region.sizes, out_extent, kernel, stride, padding, b["count_include_pad"], x.dtype
-        )
-        divisor = table.index_select(0, mode._index.to(table.device))[0].reshape(
-            (1,) * (sums.dim() - nsp) + out_extent
-        )
-    out = sums / divisor
-    return mode.rezero(out, Region.box(sizes, out_extent, range(out.dim() - nsp, out.dim())))
+        table = avg_divisor(region.sizes, out_extent, b, x.dtype)
+        divisor = mode.row(table).reshape((1,) * (sums.dim() - nsp) + out_extent)
+    return mode.rezero_box(sums / divisor, sizes, nsp)
 
 
-_ADAPTIVE = {
-    F.adaptive_avg_pool1d: (1, "avg"),
-    F.adaptive_avg_pool2d: (2, "avg"),
-    F.adaptive_avg_pool3d: (3, "avg"),
-    F.adaptive_max_pool1d: (1, "max"),
-    F.adaptive_max_pool2d: (2, "max"),
-    F.adaptive_max_pool3d: (3, "max"),
-}
-
-
-@MaskedMode.rule(*_ADAPTIVE)
+@MaskedMode.rule(*_ADAPTIVE_AVG, *_ADAPTIVE_MAX)
 def _adaptive_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    nsp, kind = _ADAPTIVE[func]
+    nsp = _NSP[func]
     b = bind_op("adaptive_pool", args, kwargs)
     size = ntuple(b["output_size"], nsp)
     if any(s != 1 for s in size) or b["return_indices"]:
@@ -452,7 +405,7 @@ def _adaptive_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Te
         )
     x = b["input"]
     dims = tuple(range(x.dim() - nsp, x.dim()))
-    return _reduce_impl(mode, func, x, dims, True, "mean" if kind == "avg" else "amax")
+    return _reduce_impl(mode, func, x, dims, True, "mean" if func in _ADAPTIVE_AVG else "amax")
 
 
 # ---------------------------------------------------------------------- reductions
@@ -465,11 +418,10 @@ def _reduce(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     if "dtype" in kwargs:
         raise mode.unsupported(func, "dtype= in a reduction")
     x = b["input"]
-    dim = b["dim"]
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+    if b["dim"] in (None, (), []):
         dims = tuple(range(x.dim()))
     else:
-        dims = tuple(d % x.dim() for d in ntuple(dim, 1))
+        dims = tuple(d % x.dim() for d in ntuple(b["dim"], 1))
     return _reduce_impl(mode, func, x, dims, b["keepdim"], _REDUCE[func])
 
 
@@ -484,30 +436,18 @@ def _reduce_impl(
             "a reduction over part of a flattened padded group (which elements it combines "
             "depends on positions that differ from the unpadded model's)",
         )
+    after = _after_reduce(region, dims, keepdim, x.dim())
     if not reduced:  # reducing over dims where everything is real: elementwise for the region
-        out = _plain_reduce(x, dims, keepdim, kind)
-        return mode.rezero(out, _after_reduce(region, dims, keepdim, x.dim()))
+        return mode.rezero(getattr(x, kind)(dim=dims, keepdim=keepdim), after)
     if kind in ("amax", "amin"):
         filled = mode.fill(x, region, -math.inf if kind == "amax" else math.inf)
-        out = _plain_reduce(filled, dims, keepdim, kind)
-    else:
-        out = _plain_reduce(x, dims, keepdim, "sum")  # padding holds zeros
-        if kind == "mean":
-            full = region.full_table(x.shape).to(x.dtype)  # (N, *shape)
-            count = full.sum(dim=tuple(1 + d for d in dims), keepdim=keepdim)
-            count = torch.clamp(count, min=1)
-            out = out / count.index_select(0, mode._index.to(count.device))[0]
-    return mode.rezero(out, _after_reduce(region, dims, keepdim, x.dim()))
-
-
-def _plain_reduce(x: Tensor, dims: tuple[int, ...], keepdim: bool, kind: str) -> Tensor:
-    if kind == "sum":
-        return x.sum(dim=dims, keepdim=keepdim)
+        return mode.rezero(getattr(filled, kind)(dim=dims, keepdim=keepdim), after)
+    out = x.sum(dim=dims, keepdim=keepdim)  # padding holds zeros
     if kind == "mean":
-        return x.mean(dim=dims, keepdim=keepdim)
-    if kind == "amax":
-        return x.amax(dim=dims, keepdim=keepdim)
-    return x.amin(dim=dims, keepdim=keepdim)
+        full = region.full_table(x.shape).to(x.dtype)  # (N, *shape)
+        count = full.sum(dim=tuple(1 + d for d in dims), keepdim=keepdim)
+        out = out / mode.row(count.clamp(min=1))
+    return mode.rezero(out, after)
 
 
 def _after_reduce(region: Region, dims: tuple[int, ...], keepdim: bool, ndim: int) -> Region | None:
@@ -544,8 +484,7 @@ def _softmax(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
             raise mode.unsupported(func, "softmax over one dim of a flattened padded group")
         new_args, new_kwargs = with_input(args, kwargs, mode.fill(x, region, -math.inf))
         return mode.rezero(func(*new_args, **new_kwargs), region)
-    out = func(*args, **kwargs)
-    return mode.rezero(out, region)
+    return mode.rezero(func(*args, **kwargs), region)
 
 
 # ---------------------------------------------------------------------- upsampling
@@ -571,8 +510,7 @@ def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tens
         )
     region = _spatial_region(mode, func, x, nsp)
     sizes = region.sizes * torch.tensor([int(s) for s in scale], device=region.sizes.device)
-    out = func(*args, **kwargs)
-    return mode.rezero(out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim())))
+    return mode.rezero_box(func(*args, **kwargs), sizes, nsp)
 
 
 # ---------------------------------------------------------------------- concatenation
@@ -589,8 +527,7 @@ def _cat(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     # inputs in order, if no padded dim comes before ``dim`` (ordered inputs) and, for boxes,
     # the other dims agree (as the unpadded model's shapes must)
     n = next(r for r in regions if r is not None).table.shape[0]
-    tables, rest = [], None
-    group = {dim}
+    tables, rest, group = [], None, {dim}
     for t, r in zip(parts, regions):
         full = (
             torch.ones((n, *t.shape), dtype=torch.bool, device=out.device)
@@ -629,8 +566,7 @@ def _stack(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     region = _common_region(mode, func, parts, parts[0].dim())
     if region is None:
         return out
-    shifted = region.moved(lambda d: d + (1 if d >= dim else 0))
-    return mode.rezero(out, shifted)
+    return mode.rezero(out, region.moved(lambda d: d + (1 if d >= dim else 0)))
 
 
 # ---------------------------------------------------------------------- layout
@@ -711,36 +647,15 @@ def _permute(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     x = args[0] if args else kwargs["input"]
     out = func(*args, **kwargs)
     region = mode.region(x)
-    order = _dim_order(func, args, kwargs, x.dim())
+    # order[j]: the input dim that becomes output dim j, read off a probe with distinct sizes
+    probe = torch.empty(tuple(range(2, x.dim() + 2)), device="meta")
+    probe_args, probe_kwargs = with_input(args, kwargs, probe)
+    order = [s - 2 for s in func(*probe_args, **probe_kwargs).shape]
     if region.ordered and [order.index(d) for d in region.group] != sorted(
         order.index(d) for d in region.group
     ):
         raise mode.unsupported(func, "a permutation that reorders a flattened padded group")
     return mode.track(out, region.moved(order.index))
-
-
-def _dim_order(func: Any, args: tuple, kwargs: dict, ndim: int) -> list[int]:
-    """``order[j]`` = the input dim that becomes output dim ``j``."""
-    rest = list(args[1:]) + [v for k, v in kwargs.items() if k != "input"]
-    if func in (torch.Tensor.permute, torch.permute):
-        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
-        return [d % ndim for d in dims]
-    order = list(range(ndim))
-    if func in (torch.Tensor.t, torch.t):
-        return order[::-1]
-    if func in (torch.Tensor.transpose, torch.transpose):
-        a, b = rest[0] % ndim, rest[1] % ndim
-        order[a], order[b] = order[b], order[a]
-        return order
-    src, dst = ntuple(rest[0], 1), ntuple(rest[1], 1)
-    src = [s % ndim for s in src]
-    dst = [d % ndim for d in dst]
-    remaining = [d for d in order if d not in src]
-    result = [None] * ndim
-    for s, d in zip(src, dst):
-        result[d] = s
-    it = iter(remaining)
-    return [r if r is not None else next(it) for r in result]
 
 
 @MaskedMode.rule(*pairs("squeeze unsqueeze"))
@@ -775,8 +690,7 @@ def _getitem(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
         else:
             expanded.append(i)
     expanded.extend([slice(None)] * (x.dim() - sum(1 for i in expanded if i is not None)))
-    out_dim = 0
-    in_dim = 0
+    in_dim = out_dim = 0
     mapping: dict[int, int] = {}
     for i in expanded:
         if i is None:
@@ -796,21 +710,18 @@ def _getitem(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.track(out, region.moved(mapping.__getitem__))
 
 
-@MaskedMode.rule(*pairs("chunk split unbind"))
+_SPLITS = {f: kind for kind in ("chunk", "split", "unbind") for f in pairs(kind)}
+
+
+@MaskedMode.rule(*_SPLITS)
 def _split(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, ...]:
     x = args[0] if args else kwargs["input"]
-    if func in (torch.unbind, torch.Tensor.unbind):
-        dim = bind_op("unbind", args, kwargs)["dim"]
-    elif func in (torch.chunk, torch.Tensor.chunk):
-        dim = bind_op("chunk", args, kwargs)["dim"]
-    else:
-        dim = bind_op("split", args, kwargs)["dim"]
-    dim %= x.dim()
+    dim = bind_op(_SPLITS[func], args, kwargs)["dim"] % x.dim()
     region = mode.region(x)
     if dim in region.touched:
         raise mode.unsupported(func, "splitting along a padded dim")
     outs = func(*args, **kwargs)
-    drop = func in (torch.unbind, torch.Tensor.unbind)
+    drop = _SPLITS[func] == "unbind"
     moved = region.moved(lambda d: d - 1 if drop and d > dim else d)
     for o in outs:
         mode.track(o, moved)
@@ -853,7 +764,7 @@ def _einsum(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     max_ell = max((e for sp, e in zip(raw, ells) if "..." in sp), default=0)
     specs = [_expand_ellipsis(sp, e, max_ell) for sp, e in zip(raw, ells)]
     out_spec = _expand_ellipsis(rhs, max_ell, max_ell)
-    kept: dict[str, tuple[Region, str]] = {}
+    kept: dict[str, Region] = {}
     tables = []
     for spec, op in zip(specs, operands):
         r = mode.region(op)
@@ -866,15 +777,14 @@ def _einsum(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
                 func, "an einsum that sums over part of the padded dims of an operand"
             )
         for c in letters:
-            if c in kept and not kept[c][0].same_as(r):
+            if c in kept and not kept[c].same_as(r):
                 raise mode.unsupported(func, "operands with different padding along a shared index")
-            kept[c] = (r, letters)
+            kept[c] = r
         if all(inside):
             tables.append((r, spec))
-    padded_letters = set(kept)
     for spec, op in zip(specs, operands):
         if mode.region(op) is None and any(
-            c in padded_letters and op.shape[k] > 1 for k, c in enumerate(spec)
+            c in kept and op.shape[k] > 1 for k, c in enumerate(spec)
         ):
             raise mode.unsupported(
                 func, "an unpadded operand weighting padded positions one by one"
@@ -884,20 +794,11 @@ def _einsum(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
         return out
     n = tables[0][0].table.shape[0]
     full = torch.ones((n, *out.shape), dtype=torch.bool, device=out.device)
-    seen: set[int] = set()
+    group, seen = None, set()
     for r, spec in tables:
-        if id(r) in seen:
-            continue
-        seen.add(id(r))
-        view = [n] + [1] * out.dim()
-        src = r.table
-        perm = sorted(range(len(r.dims)), key=lambda k: out_spec.index(spec[r.dims[k]]))
-        src = src.permute(0, *(1 + k for k in perm))
-        for k in perm:
-            view[1 + out_spec.index(spec[r.dims[k]])] = r.table.shape[1 + k]
-        full = full & src.reshape(view)
-    group = None
-    for r, spec in tables:
+        if id(r) not in seen:  # a region's table enters once, placed by its first operand
+            seen.add(id(r))
+            full = full & r.moved(lambda d, s=spec: out_spec.index(s[d])).full_table(out.shape)
         if r.ordered:
             group = tuple(sorted({out_spec.index(spec[d]) for d in r.group} | set(group or ())))
     return mode.rezero(out, Region(tuple(range(out.dim())), full, None, group))
@@ -905,8 +806,6 @@ def _einsum(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
 
 def _expand_ellipsis(spec: str, n_ell: int, max_ell: int) -> str:
     """Replace ``...`` by ``n_ell`` upper-case letters, right-aligned among ``max_ell``."""
-    if "..." not in spec:
-        return spec
     return spec.replace("...", "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[max_ell - n_ell : max_ell])
 
 
@@ -922,28 +821,31 @@ def _batch_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
     return mode.rezero(func(*args, **kwargs), region)
 
 
-@MaskedMode.rule(F.group_norm)
+@MaskedMode.rule(F.group_norm, F.instance_norm)
 def _group_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = bind_op("group_norm", args, kwargs)
+    """GroupNorm, and InstanceNorm (one group per channel), with statistics over the real
+    elements of every group."""
+    instance = func is F.instance_norm
+    b = bind_op("instance_norm" if instance else "group_norm", args, kwargs)
     x = b["input"]
     region = mode.region(x)
     if 1 in region.touched or 0 in region.touched:
         raise mode.unsupported(func, "padding along the batch or channel dim")
-    g = b["num_groups"]
+    if instance and not b["use_input_stats"]:
+        return mode.rezero(func(*args, **kwargs), region)
+    if instance and b["running_mean"] is not None:
+        raise mode.unsupported(func, "InstanceNorm updating running statistics in train mode")
     n1, c = x.shape[0], x.shape[1]
+    g = c if instance else b["num_groups"]
     counts = region.full_table(x.shape)[:, 0, 0].flatten(1).sum(1)
     require_more_than_one(counts * (c // g), func, mode.context, "sample")
-    xg = x.reshape(n1, g, c // g, *x.shape[2:])
-    greg = region.moved(lambda d: d + 1)
-    dims = tuple(range(2, xg.dim()))
-    normed = _masked_normalise(mode, xg, greg, dims, b["eps"])
-    out = normed.reshape(x.shape)
-    shape = [1, c] + [1] * (x.dim() - 2)
-    if b["weight"] is not None:
-        out = out * b["weight"].reshape(shape)
-    if b["bias"] is not None:
-        out = out + b["bias"].reshape(shape)
-    return mode.rezero(out, region)
+    if instance:
+        out = _masked_normalise(mode, x, region, tuple(range(2, x.dim())), b["eps"])
+    else:
+        xg = x.reshape(n1, g, c // g, *x.shape[2:])
+        greg = region.moved(lambda d: d + 1)
+        out = _masked_normalise(mode, xg, greg, tuple(range(2, xg.dim())), b["eps"])
+    return mode.rezero(_affine(out.reshape(x.shape), b, [1, c] + [1] * (x.dim() - 2)), region)
 
 
 @MaskedMode.rule(F.layer_norm)
@@ -953,39 +855,19 @@ def _layer_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
     region = mode.region(x)
     k = len(ntuple(b["normalized_shape"], 1))
     dims = tuple(range(x.dim() - k, x.dim()))
-    if not set(dims) & set(region.dims):
-        return mode.rezero(
-            func(*args, **kwargs), region
-        )  # per position: elementwise for the region
-    out = _masked_normalise(mode, x, region, dims, b["eps"])
-    if b["weight"] is not None:
-        out = out * b["weight"]
-    if b["bias"] is not None:
-        out = out + b["bias"]
-    return mode.rezero(out, region)
-
-
-@MaskedMode.rule(F.instance_norm)
-def _instance_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
-    b = bind_op("instance_norm", args, kwargs)
-    x = b["input"]
-    region = mode.region(x)
-    if 1 in region.touched or 0 in region.touched:
-        raise mode.unsupported(func, "padding along the batch or channel dim")
-    if not b["use_input_stats"]:
+    if not set(dims) & set(region.dims):  # per position: elementwise for the region
         return mode.rezero(func(*args, **kwargs), region)
-    if b["running_mean"] is not None:
-        raise mode.unsupported(func, "InstanceNorm updating running statistics in train mode")
-    dims = tuple(range(2, x.dim()))
-    counts = region.full_table(x.shape)[:, 0, 0].flatten(1).sum(1)
-    require_more_than_one(counts, func, mode.context, "sample")
     out = _masked_normalise(mode, x, region, dims, b["eps"])
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    return mode.rezero(_affine(out, b, x.shape[x.dim() - k :]), region)
+
+
+def _affine(out: Tensor, b: dict, shape: Sequence[int]) -> Tensor:
+    """``out * weight + bias`` of a bound norm call, the parameters viewed as ``shape``."""
     if b["weight"] is not None:
         out = out * b["weight"].reshape(shape)
     if b["bias"] is not None:
         out = out + b["bias"].reshape(shape)
-    return mode.rezero(out, region)
+    return out
 
 
 def _masked_normalise(
@@ -994,9 +876,8 @@ def _masked_normalise(
     """``(x - mean) / sqrt(var + eps)`` with mean and (biased) variance over the real elements
     along ``dims``."""
     full = region.full_table(x.shape).to(x.dtype)
-    count = full.sum(dim=tuple(1 + d for d in dims), keepdim=True).clamp(min=1)
-    count = count.index_select(0, mode._index.to(count.device))[0]
-    m = mode.mask(region, x.dim()).to(x.dtype)
+    count = mode.row(full.sum(dim=tuple(1 + d for d in dims), keepdim=True).clamp(min=1))
+    m = mode.mask(region, x).to(x.dtype)
     xm = x * m
     mean = xm.sum(dim=dims, keepdim=True) / count
     centred = (x - mean) * m
@@ -1017,7 +898,7 @@ def _sdpa(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
             raise mode.unsupported(func, "key and value with different padding")
         if set(rk.touched) != {k.dim() - 2}:
             raise mode.unsupported(func, "padding of key/value outside the token dim")
-        keep = mode.mask(rk, k.dim())  # (..., S, 1)
+        keep = mode.mask(rk, k)  # (..., S, 1)
         key_mask = keep.transpose(-1, -2)  # (..., 1, S)
         am = b["attn_mask"]
         if am is None:

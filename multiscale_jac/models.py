@@ -81,11 +81,8 @@ class TinyFPN(nn.Module):
         laterals = [conv(x) for conv, x in zip(self.lateral, feats)]
         pyramid = [laterals[-1]]
         for lat in reversed(laterals[:-1]):
-            if self.upsample == "size":
-                up = F.interpolate(pyramid[0], size=lat.shape[-2:], mode="nearest")
-            else:
-                up = F.interpolate(pyramid[0], scale_factor=2, mode="nearest")
-            pyramid.insert(0, lat + up)
+            resize = {"size": lat.shape[-2:]} if self.upsample == "size" else {"scale_factor": 2}
+            pyramid.insert(0, lat + F.interpolate(pyramid[0], mode="nearest", **resize))
         x = feats[-1]
         for k, conv in enumerate(self.extra):
             x = conv(x if k == 0 else F.relu(x))

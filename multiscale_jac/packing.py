@@ -14,7 +14,8 @@ Shape conventions (used throughout the library):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from .enums import InputKind, Layout, parse_enum
 
-__all__ = ["Bucket", "PackedBatch", "Signature", "pack"]
+__all__ = ["Bucket", "PackedBatch", "Signature", "Structure", "pack"]
 
 #: Spatial sizes of one sample at every level, e.g. ``((24, 24), (14, 14))``.
 Signature = tuple[tuple[int, ...], ...]
@@ -37,6 +38,25 @@ class Bucket(NamedTuple):
     indices: list[int]
 
 
+@dataclass(frozen=True)
+class Structure:
+    """How the model takes one sample: a tensor (``kind`` ``tensor`` or ``tensors``), or a list
+    of levels (``levels``, ``samples``) or, when ``keys`` is set, a mapping of levels of type
+    ``container`` with those keys (a ``dict`` or ``OrderedDict`` of feature maps)."""
+
+    kind: InputKind
+    keys: tuple[Any, ...] | None = None
+    container: type | None = None
+
+    def arrange(self, levels: Sequence[Tensor]) -> Any:
+        """The model's argument from one tensor per level."""
+        if self.kind in (InputKind.TENSOR, InputKind.TENSORS):
+            return levels[0]
+        if self.keys is None:
+            return list(levels)
+        return (self.container or dict)(zip(self.keys, levels))
+
+
 class PackedBatch:
     """A batch of multi-level samples, padded per level, with exact ``unpack``.
 
@@ -47,21 +67,26 @@ class PackedBatch:
     * ``sizes``: tuple of L int64 tensors ``(N, S_l)``, valid spatial sizes (top-left anchored),
       on the same device as ``levels``.
     * ``signatures``: tuple of N shape signatures (see module docstring).
-    * ``kind``: the :class:`~multiscale_jac.enums.InputKind` the user passed; ``unpack`` and the
-      model adapter restore that structure.
+    * ``kind``: the :class:`~multiscale_jac.enums.InputKind` the user passed and ``structure``
+      (:class:`Structure`: also the keys of a mapping); ``unpack`` and the model adapter restore
+      that structure.
     * ``layout``: ``"padded"`` or ``"nested"`` (the latter also builds :attr:`nested` eagerly).
+
+    Levels may hold integer data (token ids, class maps): it is carried as is, never
+    differentiated.
     """
 
     def __init__(
         self,
         levels: Sequence[Tensor],
         signatures: Sequence[Signature],
-        kind: InputKind,
+        kind: InputKind | Structure,
         layout: Layout = Layout.PADDED,
     ) -> None:
         self.levels: tuple[Tensor, ...] = tuple(levels)
         self.signatures: tuple[Signature, ...] = tuple(signatures)
-        self.kind = InputKind(kind)
+        self.structure = kind if isinstance(kind, Structure) else Structure(InputKind(kind))
+        self.kind = self.structure.kind
         self.layout = Layout(layout)
         device = self.levels[0].device
         self.sizes: tuple[Tensor, ...] = tuple(
@@ -101,7 +126,8 @@ class PackedBatch:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.levels[0].dtype
+        """The dtype of the floating-point levels (of the first level if none is)."""
+        return next((t.dtype for t in self.levels if t.is_floating_point()), self.levels[0].dtype)
 
     @property
     def device(self) -> torch.device:
@@ -191,20 +217,21 @@ class PackedBatch:
             )
             for lvl, t in enumerate(self.levels)
         ]
-        return PackedBatch(levels, sigs, self.kind, self.layout)
+        return PackedBatch(levels, sigs, self.structure, self.layout)
 
     def unpack(self) -> Any:
         """Return the input exactly as it was passed to :func:`pack`.
 
-        A single tensor for ``kind="tensor"``, a list of L batched tensors for ``"levels"``, and
-        a list of N lists of L tensors ``(C_l, *spatial)`` (views into the padded storage) for
-        ``"samples"``.
+        A single tensor for ``kind="tensor"``, a list of N tensors ``(C, *spatial)`` for
+        ``"tensors"``, L batched tensors for ``"levels"`` and N samples of L tensors
+        ``(C_l, *spatial)`` for ``"samples"`` (views into the padded storage), levels in a list
+        or in a mapping of the type and keys that were passed.
         """
         if self.kind is InputKind.TENSOR:
             return self.levels[0]
         if self.kind is InputKind.LEVELS:
-            return list(self.levels)
-        return [self.sample(i) for i in range(self.num_samples)]
+            return self.structure.arrange(self.levels)
+        return [self.structure.arrange(self.sample(i)) for i in range(self.num_samples)]
 
     @property
     def nested(self) -> tuple[Tensor, ...]:
@@ -230,19 +257,26 @@ class PackedBatch:
         return tuple(out)
 
     def to(self, *args: Any, **kwargs: Any) -> PackedBatch:
-        """Move/cast every level like ``Tensor.to``; returns a new :class:`PackedBatch`.
+        """Move every level like ``Tensor.to``; a dtype applies to the floating-point levels
+        only (integer data stays integer). Returns a new :class:`PackedBatch`.
 
         Raises:
             TypeError: the target dtype is not floating point.
         """
-        levels = [t.to(*args, **kwargs) for t in self.levels]
-        if not levels[0].is_floating_point():
-            raise TypeError(
-                f"PackedBatch.to: feature maps must stay floating point, got {levels[0].dtype}"
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"PackedBatch.to: feature maps must stay floating point, got {dtype}")
+        levels = [
+            t.to(
+                device=device,
+                dtype=dtype if t.is_floating_point() else None,
+                non_blocking=non_blocking,
             )
+            for t in self.levels
+        ]
         if all(a is b for a, b in zip(levels, self.levels)):
             return self
-        return PackedBatch(levels, self.signatures, self.kind, self.layout)
+        return PackedBatch(levels, self.signatures, self.structure, self.layout)
 
     def __repr__(self) -> str:
         lv = ", ".join(
@@ -256,47 +290,81 @@ class PackedBatch:
 
 
 # ---------------------------------------------------------------------- pack
-def pack(samples: Any, *, layout: str | Layout = "padded") -> PackedBatch:
+def pack(
+    samples: Any,
+    *,
+    layout: str | Layout = "padded",
+    input_kind: str | InputKind | None = None,
+) -> PackedBatch:
     """Pack a batch of multi-level samples.
 
     Args:
         samples: One of
 
-            * a list of N samples, each a list (or tuple) of L tensors ``(C_l, *spatial)`` with
-              0 to 3 spatial dims; spatial sizes may differ per sample and per level, ``C_l`` and
-              the rank must agree across samples at a level;
-            * a list of L batched tensors ``(N, C_l, *spatial_l)`` (uniform per level);
             * a single tensor ``(N, C, *spatial)`` (one level);
+            * a list of N tensors ``(C, *spatial)``, one per sample, spatial sizes free (a ragged
+              batch of single images; the model gets each as one tensor ``(1, C, *spatial)``);
+            * a list (or a ``dict``/``OrderedDict``) of L batched tensors
+              ``(N, C_l, *spatial_l)``, one per level;
+            * a list of N samples, each a list (or tuple, or mapping with the same keys) of L
+              tensors ``(C_l, *spatial)`` with 0 to 3 spatial dims; spatial sizes may differ per
+              sample and per level, ``C_l``, the rank and the dtype must agree across samples at
+              a level;
             * a :class:`PackedBatch` (returned as is, re-laid-out if ``layout`` differs).
+
+            Levels may be integer (token ids, class maps): carried as data, never
+            differentiated. A model that takes mappings gets the same mapping type with the
+            same keys.
         layout: ``"padded"`` or ``"nested"`` (also builds :attr:`PackedBatch.nested`).
+        input_kind: How to read ``samples`` (:class:`~multiscale_jac.InputKind`); needed only
+            for a list of rank-2 or rank-3 tensors with one leading size, which reads both as
+            N samples (``"tensors"``) and as L levels (``"levels"``); the error shows both.
 
     Returns:
         The :class:`PackedBatch`; ``unpack()`` gives back ``samples`` exactly.
 
     Raises:
-        TypeError: a non-tensor, a non-floating dtype, or mixed dtypes.
-        ValueError: empty lists, mismatched level counts, channels or ranks, or devices.
+        TypeError: a non-tensor, a complex dtype, or dtypes that differ across samples.
+        ValueError: empty lists, mismatched level counts, keys, channels or ranks, devices, an
+            ambiguous list of tensors, or an ``input_kind`` that does not fit.
     """
     layout = parse_enum(Layout, layout, "layout")
+    kind = None if input_kind is None else parse_enum(InputKind, input_kind, "input_kind")
     if isinstance(samples, PackedBatch):
+        _expect(kind, (samples.kind,), "this PackedBatch")
         if samples.layout is layout:
             return samples
-        return PackedBatch(samples.levels, samples.signatures, samples.kind, layout)
+        return PackedBatch(samples.levels, samples.signatures, samples.structure, layout)
     if isinstance(samples, Tensor):
-        _check_batched(samples, "the input tensor")
-        levels, kind = [samples], InputKind.TENSOR
-        sigs = [(tuple(samples.shape[2:]),)] * samples.shape[0]
-        _check_common([samples], lambda j: "the input tensor")
-        return PackedBatch(levels, sigs, kind, layout)
+        _expect(kind, (InputKind.TENSOR,), "one batched tensor")
+        return _pack_levels([samples], Structure(InputKind.TENSOR), layout)
+    if isinstance(samples, Mapping):
+        _expect(kind, (InputKind.LEVELS,), "a mapping of batched levels")
+        keys, values = _mapping_items(samples, "the inputs")
+        return _pack_levels(values, Structure(InputKind.LEVELS, keys, type(samples)), layout)
     if not isinstance(samples, (list, tuple)):
         raise TypeError(
-            "pack expects a list of samples (each a list of tensors), a list of batched "
-            f"tensors or one batched tensor; got {type(samples).__name__}"
+            "pack expects one batched tensor, a list of per-sample tensors, a list or dict of "
+            "batched levels, or a list of samples (each a list or dict of levels); got "
+            f"{type(samples).__name__}"
         )
     if len(samples) == 0:
         raise ValueError("pack got an empty list of samples; it needs at least one sample")
     if all(isinstance(s, Tensor) for s in samples):
-        return _pack_levels(list(samples), layout)
+        return _pack_tensor_list(list(samples), kind, layout)
+    _expect(kind, (InputKind.SAMPLES,), "a list of samples (each a list or dict of levels)")
+    if all(isinstance(s, Mapping) for s in samples):
+        keys = _mapping_items(samples[0], "samples[0]")[0]
+        rows = []
+        for i, s in enumerate(samples):
+            got, values = _mapping_items(s, f"samples[{i}]")
+            if got != keys:
+                raise ValueError(
+                    f"samples[{i}] has the keys {list(got)} but samples[0] {list(keys)}"
+                )
+            rows.append(values)
+        structure = Structure(InputKind.SAMPLES, keys, type(samples[0]))
+        return _pack_samples(rows, structure, layout, explicit=kind is not None)
     bad = [i for i, s in enumerate(samples) if not isinstance(s, (list, tuple))]
     if bad:
         i = bad[0]
@@ -304,28 +372,93 @@ def pack(samples: Any, *, layout: str | Layout = "padded") -> PackedBatch:
         also = "" if first_list is None else f" but samples[{first_list}] is a list"
         raise TypeError(
             f"samples[{i}] is a {type(samples[i]).__name__}{also}; pack expects either every "
-            "element to be a batched tensor (one per level) or every element to be a list of "
-            "tensors (one sample)"
+            "element to be a tensor (one per sample or one per level) or every element to be a "
+            "list or dict of tensors (one sample)"
         )
-    return _pack_samples([list(s) for s in samples], layout)
+    rows = [list(s) for s in samples]
+    return _pack_samples(rows, Structure(InputKind.SAMPLES), layout, explicit=kind is not None)
 
 
-def _pack_levels(levels: list[Tensor], layout: Layout) -> PackedBatch:
-    for lvl, t in enumerate(levels):
-        _check_batched(t, f"level {lvl}")
+def _pack_tensor_list(tensors: list[Tensor], kind: InputKind | None, layout: Layout) -> PackedBatch:
+    """A list of tensors: per-sample tensors or batched levels (see :func:`_read`)."""
+    kind = kind or _read(tensors)
+    if kind is InputKind.LEVELS:
+        return _pack_levels(tensors, Structure(InputKind.LEVELS), layout)
+    if kind in (InputKind.TENSORS, InputKind.SAMPLES):
+        return _pack_samples([[s] for s in tensors], Structure(kind), layout, explicit=True)
+    raise ValueError(
+        f"input_kind={kind.value!r} does not fit a list of tensors; pass 'tensors' (one tensor "
+        "per sample) or 'levels' (one batched tensor per level)"
+    )
+
+
+def _read(tensors: list[Tensor]) -> InputKind:
+    """How a list of tensors reads: batched levels where only that reading exists (ranks that
+    differ; rank 4 or 5: batched 2-d or 3-d maps), per-sample tensors for rank 1; a list of
+    rank-2 or rank-3 tensors with one leading size reads both ways and is refused."""
+    ranks = {t.dim() for t in tensors}
+    if len(ranks) > 1 or min(ranks) >= 4:
+        return InputKind.LEVELS
+    if ranks == {1}:
+        return InputKind.TENSORS
+    shapes = " and ".join(str(tuple(t.shape)) for t in tensors[:3])
+    more = f" (and {len(tensors) - 3} more)" if len(tensors) > 3 else ""
+    if len({t.shape[0] for t in tensors}) > 1:
+        raise ValueError(
+            f"pack got a list of tensors of shapes {shapes}{more} whose leading sizes differ: "
+            "as samples (one tensor (C, *spatial) each) their channels would differ, as levels "
+            "(one batched tensor (N, C_l, *spatial) each) their batch sizes"
+        )
+    n, first = len(tensors), tensors[0]
+    raise ValueError(
+        f"pack got a list of {n} tensors of shapes {shapes}{more}, which reads two ways: as {n} "
+        f"samples of one tensor each (input_kind='tensors'; the model gets each as "
+        f"{(1, *first.shape)}), or as {n} levels of one batch of {first.shape[0]} samples "
+        f"(input_kind='levels'; the model gets a list of {n} tensors like "
+        f"{(1, *first.shape[1:])}). Pass input_kind='tensors' or 'levels' (a list of samples, "
+        "each a list of levels, needs no choice)"
+    )
+
+
+def _expect(kind: InputKind | None, fits: tuple[InputKind, ...], what: str) -> None:
+    if kind is not None and kind not in fits:
+        choices = " or ".join(repr(k.value) for k in fits)
+        raise ValueError(f"input_kind={kind.value!r} does not fit {what} (it reads as {choices})")
+
+
+def _mapping_items(mapping: Mapping, what: str) -> tuple[tuple[Any, ...], list[Any]]:
+    if not mapping:
+        raise ValueError(f"{what} is an empty mapping; it needs at least one level")
+    return tuple(mapping.keys()), list(mapping.values())
+
+
+def _pack_levels(levels: list[Tensor], structure: Structure, layout: Layout) -> PackedBatch:
+    what = "the input tensor" if structure.kind is InputKind.TENSOR else None
+    names = [what or _level_name(structure, lvl) for lvl in range(len(levels))]
+    for name, t in zip(names, levels):
+        _check_batched(t, name)
     n = levels[0].shape[0]
-    for lvl, t in enumerate(levels):
+    for name, t in zip(names, levels):
         if t.shape[0] != n:
             raise ValueError(
-                f"level {lvl} has batch size {t.shape[0]} but level 0 has {n}; every level of "
+                f"{name} has batch size {t.shape[0]} but {names[0]} has {n}; every level of "
                 "a list of batched tensors must hold the same N samples"
             )
-    _check_common(levels, lambda j: f"level {j}")
+    _check_common(levels, names.__getitem__, one_dtype=False)
     sig = tuple(tuple(t.shape[2:]) for t in levels)
-    return PackedBatch(levels, [sig] * n, InputKind.LEVELS, layout)
+    return PackedBatch(levels, [sig] * n, structure, layout)
 
 
-def _pack_samples(samples: list[list[Any]], layout: Layout) -> PackedBatch:
+def _level_name(structure: Structure, lvl: int) -> str:
+    return f"level {lvl}" if structure.keys is None else f"level {structure.keys[lvl]!r}"
+
+
+def _pack_samples(
+    samples: list[list[Any]], structure: Structure, layout: Layout, *, explicit: bool
+) -> PackedBatch:
+    """``samples``: N lists of L per-sample tensors ``(C_l, *spatial)``. ``explicit``: the
+    reading was the user's, so a level that looks batched (a leading 1 on a 4-d map) is taken
+    as given."""
     num_levels = len(samples[0])
     for i, s in enumerate(samples):
         if len(s) == 0:
@@ -340,41 +473,47 @@ def _pack_samples(samples: list[list[Any]], layout: Layout) -> PackedBatch:
                 raise TypeError(
                     f"sample {i}, level {lvl} is a {type(t).__name__}, not a torch.Tensor"
                 )
-    flat = [t for s in samples for t in s]
-    _check_common(flat, lambda j: f"sample {j // num_levels}, level {j % num_levels}")
-    levels = []
-    for lvl in range(num_levels):
-        ref = samples[0][lvl]
-        if not 1 <= ref.dim() <= _MAX_SPATIAL_DIMS + 1:
-            raise ValueError(
-                f"sample 0, level {lvl} has shape {tuple(ref.shape)}; a level must be "
-                f"(C, *spatial) with 0 to {_MAX_SPATIAL_DIMS} spatial dims"
-            )
-        for i, s in enumerate(samples):
-            t = s[lvl]
-            if t.dim() != ref.dim():
-                raise ValueError(
-                    f"sample {i}, level {lvl} has rank {t.dim()} (shape {tuple(t.shape)}) but "
-                    f"sample 0 has rank {ref.dim()} (shape {tuple(ref.shape)}) at that level"
-                )
-            if t.shape[0] != ref.shape[0]:
-                raise ValueError(
-                    f"sample {i}, level {lvl} has {t.shape[0]} channels (shape "
-                    f"{tuple(t.shape)}) but sample 0 has {ref.shape[0]} (shape "
-                    f"{tuple(ref.shape)}); channels must agree across samples at a level"
-                )
-            _check_nonempty(t, f"sample {i}, level {lvl}")
-        max_sp = [max(int(s[lvl].shape[d]) for s in samples) for d in range(1, ref.dim())]
-        shapes = {tuple(s[lvl].shape) for s in samples}
-        if len(shapes) == 1:
-            padded = torch.stack([s[lvl] for s in samples])
-        else:
-            padded = ref.new_zeros((len(samples), ref.shape[0], *max_sp))
-            for i, s in enumerate(samples):
-                _crop(padded[i], tuple(s[lvl].shape[1:])).copy_(s[lvl])
-        levels.append(padded)
+    levels = [_pack_level(samples, lvl, explicit) for lvl in range(num_levels)]
     sigs = [tuple(tuple(t.shape[1:]) for t in s) for s in samples]
-    return PackedBatch(levels, sigs, InputKind.SAMPLES, layout)
+    return PackedBatch(levels, sigs, structure, layout)
+
+
+def _pack_level(samples: list[list[Tensor]], lvl: int, explicit: bool) -> Tensor:
+    """Level ``lvl`` of every sample, zero-padded to one ``(N, C, *max_spatial)`` tensor."""
+    column = [s[lvl] for s in samples]
+    _check_common(column, lambda i: f"sample {i}, level {lvl}")
+    ref = column[0]
+    if not 1 <= ref.dim() <= _MAX_SPATIAL_DIMS + 1:
+        raise ValueError(
+            f"sample 0, level {lvl} has shape {tuple(ref.shape)}; a level must be "
+            f"(C, *spatial) with 0 to {_MAX_SPATIAL_DIMS} spatial dims"
+        )
+    if not explicit and ref.dim() == 4 and all(t.dim() == 4 and t.shape[0] == 1 for t in column):
+        raise ValueError(
+            f"sample 0, level {lvl} has shape {tuple(ref.shape)}, like a batch of one: a "
+            "sample's level is (C, *spatial) without a batch dim. Drop it with .squeeze(0), or "
+            "pass input_kind='samples' if these are one-channel 3-d volumes"
+        )
+    for i, t in enumerate(column):
+        if t.dim() != ref.dim():
+            raise ValueError(
+                f"sample {i}, level {lvl} has rank {t.dim()} (shape {tuple(t.shape)}) but "
+                f"sample 0 has rank {ref.dim()} (shape {tuple(ref.shape)}) at that level"
+            )
+        if t.shape[0] != ref.shape[0]:
+            raise ValueError(
+                f"sample {i}, level {lvl} has {t.shape[0]} channels (shape "
+                f"{tuple(t.shape)}) but sample 0 has {ref.shape[0]} (shape "
+                f"{tuple(ref.shape)}); channels must agree across samples at a level"
+            )
+        _check_nonempty(t, f"sample {i}, level {lvl}")
+    if len({tuple(t.shape) for t in column}) == 1:
+        return torch.stack(column)
+    max_sp = [max(int(t.shape[d]) for t in column) for d in range(1, ref.dim())]
+    padded = ref.new_zeros((len(column), ref.shape[0], *max_sp))
+    for i, t in enumerate(column):
+        _crop(padded[i], tuple(t.shape[1:])).copy_(t)
+    return padded
 
 
 # ---------------------------------------------------------------------- helpers
@@ -396,16 +535,14 @@ def _check_nonempty(t: Tensor, what: str) -> None:
         raise ValueError(f"{what} has shape {tuple(t.shape)} with an empty dimension")
 
 
-def _check_common(tensors: Sequence[Tensor], name: Any) -> None:
-    """All tensors floating point, with one dtype and one device."""
+def _check_common(tensors: Sequence[Tensor], name: Any, *, one_dtype: bool = True) -> None:
+    """No complex data, one device, and (``one_dtype``: the samples of one level) one dtype,
+    floating point or integer data such as token ids."""
     ref = tensors[0]
     for j, t in enumerate(tensors):
-        if not t.is_floating_point():
-            raise TypeError(
-                f"{name(j)} has dtype {t.dtype}; feature maps must be floating point "
-                "(convert images with .float())"
-            )
-        if t.dtype != ref.dtype:
+        if t.is_complex():
+            raise TypeError(f"{name(j)} has dtype {t.dtype}; complex inputs are not supported")
+        if one_dtype and t.dtype != ref.dtype:
             raise TypeError(f"{name(j)} has dtype {t.dtype} but {name(0)} has {ref.dtype}")
         if t.device != ref.device:
             raise ValueError(f"{name(j)} is on {t.device} but {name(0)} is on {ref.device}")

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ._checks import prepare
 from .adapter import PerSampleFunction
-from .enums import BatchNormPolicy, Mode, Randomness, Strategy
+from .enums import BatchNormPolicy, InputKind, Mode, Randomness, Strategy
 from .packing import PackedBatch
 from .result import JacobianResult, output_mask_from_sizes
 from .subset import ParamSubset
@@ -32,6 +32,7 @@ def per_sample_jacobian_loop(
     output_fn: Callable[[Any], Any] | None = None,
     batch_norm: str | BatchNormPolicy = "error",
     randomness: str | Randomness = "error",
+    input_kind: str | InputKind | None = None,
 ) -> JacobianResult:
     """Per-sample Jacobians by a plain loop over samples and output rows.
 
@@ -48,6 +49,7 @@ def per_sample_jacobian_loop(
         output_fn=output_fn,
         batch_norm=batch_norm,
         randomness=randomness,
+        input_kind=input_kind,
     )
     jac, outputs, sizes = loop_jacobian(prep.function(prep.packed), prep.packed)
     return JacobianResult(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ._checks import check_positive_number
-from .enums import BatchNormPolicy, FisherKind, Likelihood, Randomness
+from .enums import BatchNormPolicy, FisherKind, InputKind, Likelihood, Randomness
 from .fisher import diag_fisher
 from .subset import ParamSubset
 
@@ -31,6 +31,7 @@ def largest_variance(
     params: ParamSubset | str | Sequence[str] | None = None,
     kind: str | FisherKind = "exact",
     output_fn: Any = None,
+    input_kind: str | InputKind | None = None,
     sigma_noise: float = 1.0,
     ignore_index: int = -100,
     chunk_size: int | None = None,
@@ -58,6 +59,7 @@ def largest_variance(
         kind: The curvature: ``exact`` (the GGN, default), ``empirical`` (cheaper for dense
             outputs) or ``mc``.
         output_fn: As for :func:`~multiscale_jac.diag_fisher`, like every option below.
+        input_kind: How to read ``inputs`` where it is ambiguous (:func:`~multiscale_jac.pack`).
         sigma_noise: Gaussian noise scale for ``regression``.
         ignore_index: Label of positions left out (classification).
         chunk_size: Shared option (the options table in ``docs/design.md``).
@@ -83,6 +85,7 @@ def largest_variance(
         likelihood=likelihood,
         kind=kind,
         output_fn=output_fn,
+        input_kind=input_kind,
         sigma_noise=sigma_noise,
         ignore_index=ignore_index,
         chunk_size=chunk_size,

@@ -1,31 +1,21 @@
-"""Structured derivatives w.r.t. selected entries of conv/linear weights.
+"""Structured derivatives w.r.t. selected entries of conv/linear weights (reverse mode).
 
 The generic path reparametrises a weight as ``W = W0.index_put(idx, v)`` and differentiates
-w.r.t. the selected values ``v`` (``k`` of them): a one-hot tangent on ``v`` becomes a dense
-tangent on ``W``, and the layer computes a full ``conv2d(x, W_dot)`` per tangent; in reverse mode
-every output row pays for the full weight gradient. Here, for ``conv1d/conv2d/linear`` whose
-weight carries selected entries, the layer runs through :class:`_SelectedConv` /
-:class:`_SelectedLinear`, custom autograd functions whose derivative w.r.t. ``v`` only touches
-the selected entries:
-
-* ``W[o, i, u, v]`` (conv): ``dY[:, o] += v_dot * unfold(x)[:, row(i, u, v)]``: the input
-  channel ``i`` shifted by ``(u, v)`` (with stride, padding, dilation, groups), placed in output
-  channel ``o``. Forward mode costs ``O(k L)`` per tangent instead of ``O(C_out C_in K L)``;
-  reverse mode ``grad_v[j] = <gy[:, o_j], unfold(x)[:, row_j]>``, ``O(k L)`` per row.
-* ``W[o, i]`` (linear): ``dY[..., o] += v_dot * x[..., i]``.
-
-Both functions set ``generate_vmap_rule`` so that they compose with ``vmap``, ``jvp`` and
-``jacrev``. :class:`StructuredMode` (a ``TorchFunctionMode``) swaps them in:
+w.r.t. the selected values ``v``: in reverse mode every output row pays for the full weight
+gradient. Here, for ``conv1d/conv2d/linear`` whose weight carries selected entries, the layer
+runs through :class:`_SelectedConv` / :class:`_SelectedLinear`, custom autograd functions
+(composable with ``vmap``, ``jvp`` and ``jacrev``) whose derivative w.r.t. ``v`` only touches the
+selected entries: for ``W[o, i, u, v]``, ``grad_v[j] = <gy[:, o_j], unfold(x)[:, row_j]>``, the
+input channel ``i`` shifted by ``(u, v)``, ``O(k L)`` per row (linear: ``x[..., i]``).
 :class:`StructuredFunction` gives the model a fresh alias of each such weight (those of
-:func:`rev_candidates`), and the mode recognises the alias when it reaches
-``F.conv1d/conv2d/linear``; any other op that reads the alias gets the dense reparametrised
-weight instead (so weights used elsewhere, or twice, stay exact).
+:func:`rev_candidates`) and :class:`StructuredMode` recognises it at ``F.conv1d/conv2d/linear``;
+any other op that reads the alias gets the dense reparametrised weight (so weights used
+elsewhere, or twice, stay exact).
 
-Used by the engine in reverse mode (``entries="structured"``, or ``"auto"`` for weights of at
-least 4,096 entries): the backward computes only the selected entries' gradient instead of a full
-weight gradient per output row. Forward mode uses :mod:`~multiscale_jac.entries` instead: under
-``vmap`` the tangent's one-hotness is invisible here, so this jvp costs a ``(C_out, k) @ (k, L)``
-GEMM per tangent, not ``O(L)``.
+The engine uses it in reverse mode (``entries="structured"``, or ``"auto"`` for weights of at
+least 4,096 entries). Forward mode uses :mod:`~multiscale_jac.entries` instead: under ``vmap``
+the tangent's one-hotness is invisible here, so this jvp costs a ``(C_out, k) @ (k, L)`` GEMM
+per tangent, not ``O(L)``.
 """
 
 from __future__ import annotations
@@ -54,11 +44,7 @@ __all__ = [
 def structured_kind(module_types: set[type]) -> str | None:
     """``"conv1d"``, ``"conv2d"`` or ``"linear"`` if every module owning the weight is one of
     those (one kind), else ``None``."""
-    kinds = {
-        torch.nn.Conv1d: "conv1d",
-        torch.nn.Conv2d: "conv2d",
-        torch.nn.Linear: "linear",
-    }
+    kinds = {torch.nn.Conv1d: "conv1d", torch.nn.Conv2d: "conv2d", torch.nn.Linear: "linear"}
     found = {kinds.get(t) for t in module_types}
     return found.pop() if len(found) == 1 and None not in found else None
 
@@ -77,10 +63,8 @@ def layer_roles(fn: PerSampleFunction) -> dict[str, tuple[str | None, str | None
     for name in fn.subset.names:
         found = owners.get(id(params[name]), set())
         roles = {r for _, r in found}
-        out[name] = (
-            structured_kind({t for t, _ in found}),
-            roles.pop() if len(roles) == 1 else None,
-        )
+        kind = structured_kind({t for t, _ in found})
+        out[name] = (kind, roles.pop() if len(roles) == 1 else None)
     return out
 
 
@@ -308,18 +292,11 @@ def _conv_nd(b: dict, e: tuple, nd: int) -> Tensor:
     if unbatched:
         x = x.unsqueeze(0)
     if nd == 1:  # as a conv2d over (1, L)
-        y = _SelectedConv.apply(
-            x.unsqueeze(2),
-            w0.unsqueeze(2),
-            v,
-            idx,
-            (1, *stride),
-            (0, *padding),
-            (1, *dilation),
-            b["groups"],
-        ).squeeze(2)
-    else:
-        y = _SelectedConv.apply(x, w0, v, idx, stride, padding, dilation, b["groups"])
+        x, w0 = x.unsqueeze(2), w0.unsqueeze(2)
+        stride, padding, dilation = (1, *stride), (0, *padding), (1, *dilation)
+    y = _SelectedConv.apply(x, w0, v, idx, stride, padding, dilation, b["groups"])
+    if nd == 1:
+        y = y.squeeze(2)
     if b["bias"] is not None:
         y = y + b["bias"].reshape(1, -1, *([1] * nd))
     return y.squeeze(0) if unbatched else y

@@ -2,8 +2,10 @@
 
 A :class:`ParamSubset` selects, for some of a model's parameter tensors, either the whole tensor
 or a set of flat element indices into it. Its flat order (the columns ``P`` of every Jacobian)
-always follows ``model.named_parameters()`` and, within a tensor, ascending flat index,
-whatever order the names or indices were given in.
+is the order the user gave, as ``J_full[..., idx]`` would have it: tensors in the order they were
+named (a glob expands in ``named_parameters()`` order), entries in the order their indices were
+passed, and for :meth:`ParamSubset.from_flat_indices` exactly the order of the flat indices, even
+when it interleaves tensors. :meth:`ParamSubset.all` follows ``named_parameters()``.
 """
 
 from __future__ import annotations
@@ -36,26 +38,28 @@ class ParamSubset:
         self,
         layout: Sequence[tuple[str, torch.Size]],
         selection: Mapping[str, Tensor | None],
+        columns: Tensor | None = None,
     ) -> None:
         """Low-level constructor; prefer the ``from_*`` class methods.
 
         Args:
             layout: ``(name, shape)`` of every parameter of the model, in
                 ``named_parameters()`` order.
-            selection: name -> ``None`` (whole tensor) or sorted unique int64 flat indices.
+            selection: name -> ``None`` (whole tensor) or unique int64 flat indices, tensors and
+                indices in the order of the columns.
+            columns: Only for orders that interleave tensors: ``(P,)``, column ``k`` is entry
+                ``columns[k]`` of the selection laid out tensor by tensor (``None``: that
+                layout is the order).
         """
         self._layout = tuple((n, torch.Size(s)) for n, s in layout)
         known = dict(self._layout)
-        for name in selection:
+        self._selection: dict[str, Tensor | None] = {}
+        for name, idx in selection.items():
             if name not in known:
                 raise ValueError(f"unknown parameter name {name!r}")
-        self._selection: dict[str, Tensor | None] = {}
-        for name, shape in self._layout:
-            if name in selection:
-                idx = selection[name]
-                if idx is not None:
-                    idx = _check_indices(idx, math.prod(shape), f"indices for {name!r}")
-                self._selection[name] = idx
+            if idx is not None:
+                idx = _check_indices(idx, math.prod(known[name]), f"indices for {name!r}")
+            self._selection[name] = idx
         if not self._selection:
             raise ValueError("a ParamSubset must select at least one parameter entry")
         self._shapes = {n: known[n] for n in self._selection}
@@ -66,6 +70,10 @@ class ParamSubset:
             self._offsets[n] = (start, start + k)
             start += k
         self._numel = start
+        if columns is not None and torch.equal(columns, torch.arange(start)):
+            columns = None
+        self._columns = columns
+        self._grouped = None if columns is None else torch.argsort(columns)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -91,7 +99,9 @@ class ParamSubset:
     def from_names(
         cls, model: nn.Module | Mapping[str, Tensor], patterns: str | Iterable[str]
     ) -> ParamSubset:
-        """Whole tensors by exact name or ``fnmatch`` glob (``*`` also matches dots).
+        """Whole tensors by exact name or ``fnmatch`` glob (``*`` also matches dots), in the
+        order given (a glob's matches in ``named_parameters()`` order; a tensor named twice
+        counts once, where it is first named).
 
         ``"head.*"`` matches ``head.0.weight``; ``"*.bias"`` matches every bias.
 
@@ -105,29 +115,32 @@ class ParamSubset:
             patterns = list(patterns)
         if not patterns:
             raise ValueError("from_names got an empty list of names/patterns")
-        chosen: set[str] = set()
+        chosen: dict[str, None] = {}  # in the order given; a glob in named_parameters() order
         for pat in patterns:
             if not isinstance(pat, str):
                 raise TypeError(f"parameter names/patterns must be strings; got {pat!r}")
             if pat in params or pat in aliases:
-                chosen.add(aliases.get(pat, pat))
+                chosen.setdefault(aliases.get(pat, pat))
                 continue
             if any(c in pat for c in _GLOB_CHARS):
                 hits = [n for n in [*params, *aliases] if fnmatch.fnmatchcase(n, pat)]
                 if not hits:
                     raise ValueError(f"pattern {pat!r} matches no parameter; {_available(params)}")
-                chosen.update(aliases.get(n, n) for n in hits)
+                order = {n: k for k, n in enumerate(params)}
+                for n in sorted({aliases.get(h, h) for h in hits}, key=order.__getitem__):
+                    chosen.setdefault(n)
                 continue
             raise ValueError(_unknown_name(pat, params))
-        return cls(_layout_of(params), dict.fromkeys(chosen))
+        return cls(_layout_of(params), chosen)
 
     @classmethod
     def from_indices(
         cls, model: nn.Module | Mapping[str, Tensor], indices: Mapping[str, Any]
     ) -> ParamSubset:
-        """Single scalar entries: ``{name: flat indices into that tensor}``.
+        """Single scalar entries: ``{name: flat indices into that tensor}``; the columns follow
+        the dict's order and, within a tensor, the order of its indices.
 
-        Indices may be a LongTensor, a NumPy integer array or a list of ints, in any order.
+        Indices may be a LongTensor, a NumPy integer array or a list of ints.
 
         Raises:
             ValueError: unknown names, empty, duplicate or out-of-range indices.
@@ -144,23 +157,23 @@ class ParamSubset:
     def from_flat_indices(
         cls, model: nn.Module | Mapping[str, Tensor], indices: Any
     ) -> ParamSubset:
-        """Entries by index into ``parameters_to_vector(model.parameters())``.
+        """Entries by index into ``parameters_to_vector(model.parameters())``; column ``k`` is
+        ``indices[k]``, as in ``J_full[..., indices]`` (also when the order interleaves
+        tensors).
 
         Raises:
             ValueError: empty, duplicate or out-of-range indices.
         """
         params = _named_params(model)[0]
-        total = sum(p.numel() for p in params.values())
-        idx = _check_indices(indices, total, "flat indices")
-        sel: dict[str, Tensor | None] = {}
-        start = 0
-        for name, p in params.items():
-            stop = start + p.numel()
-            lo, hi = np.searchsorted(idx.numpy(), [start, stop])
-            if hi > lo:
-                sel[name] = idx[lo:hi] - start
-            start = stop
-        return cls(_layout_of(params), sel)
+        sizes = torch.tensor([p.numel() for p in params.values()])
+        idx = _check_indices(indices, int(sizes.sum()), "flat indices")
+        starts = torch.cumsum(sizes, 0) - sizes
+        owner = torch.searchsorted(torch.cumsum(sizes, 0), idx, right=True)  # tensor per index
+        first = {int(t): None for t in owner.tolist()}  # tensors by first appearance
+        names = list(params)
+        grouped = torch.cat([(owner == t).nonzero().squeeze(1) for t in first])
+        sel = {names[t]: idx[owner == t] - starts[t] for t in first}
+        return cls(_layout_of(params), sel, columns=torch.argsort(grouped))
 
     @classmethod
     def from_mask(
@@ -201,8 +214,7 @@ class ParamSubset:
     ) -> ParamSubset:
         """The ``k`` entries of largest absolute value (among ``params``, default all)."""
         candidates = resolve_subset(params, model)
-        values = candidates.values(model)
-        scores = torch.cat([values[n].reshape(-1) for n in candidates.names]).abs()
+        scores = candidates.flatten(candidates.check_model(model)).detach().abs()
         return cls.top(model, candidates, scores, k, "largest_magnitude")
 
     @classmethod
@@ -245,7 +257,7 @@ class ParamSubset:
         cls, model: nn.Module, candidates: ParamSubset, scores: Tensor, k: int, what: str = "top"
     ) -> ParamSubset:
         """The ``k`` entries of ``candidates`` with the largest ``scores`` (``(P,)`` in the
-        candidates' flat order); ``what`` names the caller in errors."""
+        candidates' flat order), largest first; ``what`` names the caller in errors."""
         _check_k(k, candidates.numel, what)
         top = torch.topk(scores.detach().cpu(), k).indices
         return cls.from_flat_indices(model, candidates.flat_indices()[top])
@@ -253,7 +265,7 @@ class ParamSubset:
     # ------------------------------------------------------------------ facts
     @property
     def names(self) -> tuple[str, ...]:
-        """Selected tensor names in ``named_parameters()`` order."""
+        """Selected tensor names, in the order of their first columns."""
         return tuple(self._selection)
 
     @property
@@ -268,12 +280,14 @@ class ParamSubset:
 
     @property
     def indices(self) -> dict[str, Tensor | None]:
-        """Flat element indices per selected tensor (``None`` for the whole tensor)."""
+        """Flat element indices per selected tensor, in column order (``None``: the whole
+        tensor)."""
         return dict(self._selection)
 
     @property
     def offsets(self) -> dict[str, tuple[int, int]]:
-        """``[start, stop)`` of every selected tensor's entries in the flat vector."""
+        """``[start, stop)`` of every selected tensor's entries in the flat vector laid out
+        tensor by tensor (the flat order itself unless :attr:`columns` is set)."""
         return dict(self._offsets)
 
     @property
@@ -295,16 +309,36 @@ class ParamSubset:
         idx = self._selection[name]
         return self._shapes[name] if idx is None else torch.Size([idx.numel()])
 
+    @property
+    def columns(self) -> Tensor | None:
+        """For flat orders that interleave tensors: ``(P,)``, flat entry ``k`` is entry
+        ``columns[k]`` of the tensor-by-tensor layout (:attr:`offsets`); else ``None``."""
+        return self._columns
+
+    def to_flat_order(self, grouped: Tensor) -> Tensor:
+        """``(*batch, P)`` laid out tensor by tensor -> the flat (column) order."""
+        if self._columns is None:
+            return grouped
+        return grouped.index_select(-1, self._columns.to(grouped.device))
+
+    def to_grouped(self, vec: Tensor) -> Tensor:
+        """``(*batch, P)`` in the flat order -> laid out tensor by tensor."""
+        if self._grouped is None:
+            return vec
+        return vec.index_select(-1, self._grouped.to(vec.device))
+
     def flat_indices(self) -> Tensor:
-        """The selected entries as indices into ``parameters_to_vector(model.parameters())``."""
-        out, start = [], 0
+        """The selected entries as indices into ``parameters_to_vector(model.parameters())``,
+        in the flat order."""
+        starts, start = {}, 0
         for name, shape in self._layout:
-            n = math.prod(shape)
-            if name in self._selection:
-                idx = self._selection[name]
-                out.append(start + (torch.arange(n) if idx is None else idx))
-            start += n
-        return torch.cat(out)
+            starts[name] = start
+            start += math.prod(shape)
+        out = [
+            starts[n] + (torch.arange(math.prod(self._shapes[n])) if idx is None else idx)
+            for n, idx in self._selection.items()
+        ]
+        return self.to_flat_order(torch.cat(out))
 
     # ------------------------------------------------------------------ mapping values
     def gather(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -330,15 +364,16 @@ class ParamSubset:
         for name, t in parts.items():
             sel = self.selected_shape(name)
             flat.append(t.reshape(*t.shape[: t.dim() - len(sel)], -1))
-        return torch.cat(flat, dim=-1)
+        return self.to_flat_order(torch.cat(flat, dim=-1))
 
     def split(self, vec: Tensor) -> dict[str, Tensor]:
-        """Flat ``(*batch, P)`` -> per tensor ``(*batch, *selected_shape)`` (views)."""
+        """Flat ``(*batch, P)`` -> per tensor ``(*batch, *selected_shape)`` (views unless the
+        flat order interleaves tensors)."""
         if vec.dim() < 1 or vec.shape[-1] != self._numel:
             raise ValueError(
                 f"split expects a tensor with last dim P={self._numel}; got shape {tuple(vec.shape)}"
             )
-        batch = vec.shape[:-1]
+        batch, vec = vec.shape[:-1], self.to_grouped(vec)
         return {
             n: vec[..., a:b].reshape(*batch, *self.selected_shape(n))
             for n, (a, b) in self._offsets.items()
@@ -393,7 +428,8 @@ class ParamSubset:
             b = other._selection[n]
             if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
                 return False
-        return True
+        a, b = self._columns, other._columns
+        return (a is None) == (b is None) and (a is None or torch.equal(a, b))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -479,7 +515,8 @@ def _layout_of(params: Mapping[str, Tensor]) -> list[tuple[str, torch.Size]]:
 
 
 def _check_indices(idx: Any, numel: int, what: str) -> Tensor:
-    """Validate integer indices in ``[0, numel)``, unique; return sorted int64 on CPU."""
+    """Validate integer indices in ``[0, numel)``, unique; return them as int64 on the CPU, in
+    the order given."""
     if isinstance(idx, Tensor):
         t = idx.detach().cpu()
     elif isinstance(idx, (np.ndarray, list, tuple, range)):
@@ -510,7 +547,7 @@ def _check_indices(idx: Any, numel: int, what: str) -> Tensor:
     dup = s[1:][s[1:] == s[:-1]]
     if dup.numel():
         raise ValueError(f"{what}: index {int(dup[0])} is given more than once")
-    return s
+    return t
 
 
 def _batch_shape(t: Tensor, shape: torch.Size, name: str) -> torch.Size:

@@ -26,7 +26,25 @@ settings.register_profile(
 settings.register_profile(
     "dev", max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+# by hand, to explore: HYPOTHESIS_PROFILE=deep python -m pytest -k "random or hypothesis or
+# property or round_trip" (thousands of examples per property, a fresh seed every run)
+settings.register_profile(
+    "deep",
+    max_examples=2000,
+    deadline=None,
+    derandomize=False,
+    suppress_health_check=list(HealthCheck),
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def examples(ci: int, dev: int) -> int:
+    """Examples for a property that sets its own count: ``ci`` under CI, ``dev`` in the edit
+    loop, the profile's thousands under ``HYPOTHESIS_PROFILE=deep``."""
+    if os.environ.get("HYPOTHESIS_PROFILE") == "deep":
+        return settings().max_examples
+    return ci if os.environ.get("CI") else dev
+
 
 torch.set_num_threads(min(torch.get_num_threads(), 2))
 

@@ -94,10 +94,10 @@ CASES = [
     ("scalar_level", lambda: mj.pack([[torch.tensor(1.0)]]), ValueError, r"has shape \(\)"),
     ("empty_spatial_dim", lambda: mj.pack([[torch.randn(2, 0, 3)]]), ValueError, "empty dimension"),
     (
-        "non_floating_dtype",
-        lambda: mj.pack([[torch.zeros(2, 3, 3, dtype=torch.uint8)]]),
+        "complex_dtype",
+        lambda: mj.pack([[torch.zeros(2, 3, 3, dtype=torch.complex64)]]),
         TypeError,
-        "sample 0, level 0 has dtype torch.uint8; feature maps must be floating point",
+        "sample 0, level 0 has dtype torch.complex64; complex inputs are not supported",
     ),
     (
         "mixed_dtypes",
@@ -347,10 +347,10 @@ CASES = [
         r"output\['a'\]\[1\] is a str",
     ),
     (
-        "non_floating_inputs",
+        "integer_images",
         lambda: mj.per_sample_jacobian(_conv(), torch.zeros(2, 2, 4, 4, dtype=torch.int32)),
         TypeError,
-        "has dtype torch.int32; feature maps must be floating point",
+        r"level 0 holds integer data \(torch.int32\).*Convert images to floating point",
     ),
 ]
 

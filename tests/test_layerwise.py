@@ -9,7 +9,7 @@ import pytest
 import torch
 from cases import CASES as ZOO
 from cases import DTYPE, make_subset
-from conftest import CASE_BY_ID, smallest_budget, zoo_model
+from conftest import CASE_BY_ID, examples, smallest_budget, zoo_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fisher import as_model_input, batches, loop_fisher, make_targets, samples_of
@@ -271,7 +271,7 @@ class ConvStack(nn.Module):
         return self.out(h)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(ci=25, dev=25), deadline=None)
 @given(conv_configs())
 def test_conv_configs_match_loop(cfg) -> None:
     torch.manual_seed(0)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_padded import layers
@@ -20,7 +20,7 @@ from multiscale_jac.models import SharedHeadFPN
 from multiscale_jac.reference import per_sample_jacobian_loop
 
 D = torch.float64
-EXAMPLES = 200 if os.environ.get("CI") else 30
+EXAMPLES = examples(ci=200, dev=30)
 SIZES = [(9, 13), (5, 7), (3, 4), (2, 2)]
 
 

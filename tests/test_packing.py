@@ -41,7 +41,7 @@ def ragged_batches(draw):
 
 @given(samples=ragged_batches(), layout=st.sampled_from(["padded", "nested"]))
 def test_unpack_pack_round_trip_ragged(samples, layout) -> None:
-    packed = mj.pack(samples, layout=layout)
+    packed = mj.pack(samples, layout=layout, input_kind="samples")  # one-channel volumes too
     _assert_same_structure(samples, packed.unpack())
     assert packed.kind == "samples" and packed.num_samples == len(samples)
     # padding is exactly zero and masks mark the valid region
@@ -72,7 +72,7 @@ def test_unpack_pack_round_trip_ragged(samples, layout) -> None:
 )
 def test_unpack_pack_round_trip_batched(n, shapes) -> None:
     levels = [torch.randn(n, *s) for s in shapes]
-    packed = mj.pack(levels)
+    packed = mj.pack(levels, input_kind="levels")  # rank-2/3 lists read two ways
     assert packed.kind == "levels" and packed.is_uniform and packed.padding_waste == 0
     _assert_same_structure(levels, packed.unpack())
     single = torch.randn(n, *shapes[0])

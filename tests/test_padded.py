@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -17,7 +16,7 @@ from multiscale_jac.masked import SUPPORTED_OPS, PaddedFunction, UnsupportedOpEr
 from multiscale_jac.reference import per_sample_jacobian_loop
 
 D = torch.float64
-EXAMPLES = 300 if os.environ.get("CI") else 40
+EXAMPLES = examples(ci=300, dev=40)
 
 
 # ---------------------------------------------------------------------- random conv stacks
