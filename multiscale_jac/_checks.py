@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
@@ -27,7 +27,7 @@ from .enums import (
     Randomness,
     parse_enum,
 )
-from .packing import PackedBatch, pack
+from .packing import PackedBatch, ambiguous, pack, readings
 from .subset import ParamSubset, resolve_subset
 
 __all__ = [
@@ -90,7 +90,8 @@ class Prepared:
                 level: the result would be meaningless).
         """
         layout = inputs.layout if isinstance(inputs, PackedBatch) else Layout.PADDED
-        packed = pack(inputs, layout=layout, input_kind=self.input_kind).to(self.device)
+        kind = self.input_kind or self._read(inputs)
+        packed = pack(inputs, layout=layout, input_kind=kind).to(self.device)
         dtype = dict(self.model.named_parameters())[self.subset.names[0]].dtype
         for lvl, t in enumerate(packed.levels):
             if t.is_floating_point() and t.dtype != dtype:
@@ -107,6 +108,36 @@ class Prepared:
                     "makes the result meaningless"
                 )
         return packed
+
+    def _read(self, inputs: Any) -> InputKind | None:
+        """For a list of tensors that reads two ways, the reading the model runs on (one
+        sample of each, no gradient, the random state kept); both or neither: refused."""
+        tensors = isinstance(inputs, (list, tuple)) and all(isinstance(t, Tensor) for t in inputs)
+        if not tensors or not inputs:
+            return None
+        found = readings(inputs)
+        if len(found) == 1:
+            return None
+        errors: dict[InputKind, str] = {}
+        for kind in found:
+            packed = pack(inputs, input_kind=kind).to(self.device)
+            fn = self.function(packed)
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    fn.call(fn.params, tuple(packed.sample(0)))
+            except Exception as err:  # the model refuses this reading, however it does
+                errors[kind] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        runs = [k for k in found if k not in errors]
+        if len(runs) == 1:
+            return runs[0]
+        why = (
+            "; the model runs on both"
+            if runs
+            else "; the model fails on both ("
+            + "; ".join(f"{k.value}: {e}" for k, e in errors.items())
+            + ")"
+        )
+        raise ambiguous(inputs, why)
 
     def function(
         self,

@@ -153,7 +153,7 @@ UNARY = [
     *ACTIVATIONS,
     *pairs("relu_ sigmoid_ tanh_ exp abs neg clamp clip square sin cos erf clone gt lt ge le"),
     *named(F, "tanhshrink logsigmoid dropout dropout1d dropout2d dropout3d alpha_dropout"),
-    *named(torch.Tensor, "contiguous detach to float double half type_as"),
+    *named(torch.Tensor, "contiguous detach to float double half type_as long int bool"),
     *named(torch.Tensor, "clamp_ mul_ add_ sub_ div_"),
     *named(torch, "zeros_like ones_like full_like rand_like randn_like empty_like"),
 ]

@@ -747,6 +747,16 @@ def _linear(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     return mode.rezero(out, region)
 
 
+@MaskedMode.rule(F.embedding)
+def _embedding(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """A lookup per position: the ids' region, with the embedding dim appended (real)."""
+    ids = args[0] if args else kwargs["input"]
+    weight = args[1] if len(args) > 1 else kwargs["weight"]
+    if mode.region(weight) is not None:
+        raise mode.unsupported(func, "a padded tensor as the embedding table")
+    return mode.rezero(func(*args, **kwargs), mode.region(ids))
+
+
 @MaskedMode.rule(torch.einsum)
 def _einsum(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
     """Sums of products: padded zeros add nothing to a contraction, so an einsum is exact when

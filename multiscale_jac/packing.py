@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .enums import InputKind, Layout, parse_enum
 
-__all__ = ["Bucket", "PackedBatch", "Signature", "Structure", "pack"]
+__all__ = ["Bucket", "PackedBatch", "Signature", "Structure", "ambiguous", "pack", "readings"]
 
 #: Spatial sizes of one sample at every level, e.g. ``((24, 24), (14, 14))``.
 Signature = tuple[tuple[int, ...], ...]
@@ -319,6 +319,8 @@ def pack(
         input_kind: How to read ``samples`` (:class:`~multiscale_jac.InputKind`); needed only
             for a list of rank-2 or rank-3 tensors with one leading size, which reads both as
             N samples (``"tensors"``) and as L levels (``"levels"``); the error shows both.
+            (The entry points that get a model try both readings on one sample and take the
+            one the model runs.)
 
     Returns:
         The :class:`PackedBatch`; ``unpack()`` gives back ``samples`` exactly.
@@ -392,32 +394,52 @@ def _pack_tensor_list(tensors: list[Tensor], kind: InputKind | None, layout: Lay
     )
 
 
-def _read(tensors: list[Tensor]) -> InputKind:
-    """How a list of tensors reads: batched levels where only that reading exists (ranks that
-    differ; rank 4 or 5: batched 2-d or 3-d maps), per-sample tensors for rank 1; a list of
-    rank-2 or rank-3 tensors with one leading size reads both ways and is refused."""
+def readings(tensors: Sequence[Tensor]) -> tuple[InputKind, ...]:
+    """How a list of tensors can read: ``levels`` where only that reading exists (ranks that
+    differ; rank 4 or 5: batched 2-d or 3-d maps), ``tensors`` (one per sample) for rank 1,
+    both for rank 2 or 3 with one leading size.
+
+    Raises:
+        ValueError: leading sizes that differ (neither reading exists).
+    """
     ranks = {t.dim() for t in tensors}
     if len(ranks) > 1 or min(ranks) >= 4:
-        return InputKind.LEVELS
+        return (InputKind.LEVELS,)
     if ranks == {1}:
-        return InputKind.TENSORS
-    shapes = " and ".join(str(tuple(t.shape)) for t in tensors[:3])
-    more = f" (and {len(tensors) - 3} more)" if len(tensors) > 3 else ""
+        return (InputKind.TENSORS,)
     if len({t.shape[0] for t in tensors}) > 1:
         raise ValueError(
-            f"pack got a list of tensors of shapes {shapes}{more} whose leading sizes differ: "
-            "as samples (one tensor (C, *spatial) each) their channels would differ, as levels "
-            "(one batched tensor (N, C_l, *spatial) each) their batch sizes"
+            f"pack got a list of tensors of shapes {_shapes(tensors)} whose leading sizes "
+            "differ: as samples (one tensor (C, *spatial) each) their channels would differ, "
+            "as levels (one batched tensor (N, C_l, *spatial) each) their batch sizes"
         )
+    return (InputKind.TENSORS, InputKind.LEVELS)
+
+
+def ambiguous(tensors: Sequence[Tensor], why: str = "") -> ValueError:
+    """The refusal of a list of tensors that reads two ways, showing both (``why``: what a
+    probe of the model found)."""
     n, first = len(tensors), tensors[0]
-    raise ValueError(
-        f"pack got a list of {n} tensors of shapes {shapes}{more}, which reads two ways: as {n} "
-        f"samples of one tensor each (input_kind='tensors'; the model gets each as "
+    return ValueError(
+        f"pack got a list of {n} tensors of shapes {_shapes(tensors)}, which reads two ways: as "
+        f"{n} samples of one tensor each (input_kind='tensors'; the model gets each as "
         f"{(1, *first.shape)}), or as {n} levels of one batch of {first.shape[0]} samples "
         f"(input_kind='levels'; the model gets a list of {n} tensors like "
-        f"{(1, *first.shape[1:])}). Pass input_kind='tensors' or 'levels' (a list of samples, "
-        "each a list of levels, needs no choice)"
+        f"{(1, *first.shape[1:])}){why}. Pass input_kind='tensors' or 'levels' (a list of "
+        "samples, each a list of levels, needs no choice)"
     )
+
+
+def _read(tensors: list[Tensor]) -> InputKind:
+    found = readings(tensors)
+    if len(found) > 1:
+        raise ambiguous(tensors)
+    return found[0]
+
+
+def _shapes(tensors: Sequence[Tensor]) -> str:
+    more = f" (and {len(tensors) - 3} more)" if len(tensors) > 3 else ""
+    return " and ".join(str(tuple(t.shape)) for t in tensors[:3]) + more
 
 
 def _expect(kind: InputKind | None, fits: tuple[InputKind, ...], what: str) -> None:
@@ -501,10 +523,16 @@ def _pack_level(samples: list[list[Tensor]], lvl: int, explicit: bool) -> Tensor
                 f"sample 0 has rank {ref.dim()} (shape {tuple(ref.shape)}) at that level"
             )
         if t.shape[0] != ref.shape[0]:
+            hint = (
+                "; a sequence per sample (token ids, T positions) is passed as (1, T): one "
+                "channel, T positions"
+                if ref.dim() == 1
+                else ""
+            )
             raise ValueError(
                 f"sample {i}, level {lvl} has {t.shape[0]} channels (shape "
                 f"{tuple(t.shape)}) but sample 0 has {ref.shape[0]} (shape "
-                f"{tuple(ref.shape)}); channels must agree across samples at a level"
+                f"{tuple(ref.shape)}); channels must agree across samples at a level{hint}"
             )
         _check_nonempty(t, f"sample {i}, level {lvl}")
     if len({tuple(t.shape) for t in column}) == 1:

@@ -117,7 +117,7 @@ INPUTS: list[tuple[str, Any, type, str]] = [
         "torch.float32 but the model's parameters torch.float64",
     ),
     ("inputs_channels", torch.randn(3, 4, 5, 5, dtype=D), RuntimeError, "channels"),
-    ("inputs_ambiguous", [torch.randn(2, 5, 5, dtype=D)] * 3, ValueError, "reads two ways"),
+    ("inputs_ambiguous", [torch.randn(4, 5, 5, dtype=D)] * 3, ValueError, "fails on both"),
     ("inputs_batch_of_one", [[torch.randn(1, 2, 5, 5, dtype=D)]] * 2, ValueError, "batch of one"),
     ("inputs_mixed", [X, [X[0]]], TypeError, "is a Tensor but samples"),
     ("inputs_dict_empty", {}, ValueError, "empty mapping"),

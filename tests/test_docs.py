@@ -22,6 +22,19 @@ def test_readme_quick_start_runs(capsys) -> None:
     assert "('conv.2.weight',)" in out
 
 
+@pytest.mark.parametrize("page", ["packing.md"])
+def test_docs_code_runs_and_prints_what_its_comments_say(page: str, capsys) -> None:
+    """Every python block of the page runs; a ``print(...)  # text`` comment is what it prints
+    (its first line)."""
+    text = (ROOT / "docs" / page).read_text()
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        exec(compile(block, page, "exec"), {"__name__": "__docs__"})
+        printed = capsys.readouterr().out.splitlines()
+        claims = re.findall(r"^print\(.*\)\s+#\s*(.+)$", block, flags=re.M)
+        for claim, line in zip(claims, printed):
+            assert line.strip() == claim.strip(), (claim, line)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
 def test_example_runs(name: str, capsys) -> None:

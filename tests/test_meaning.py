@@ -279,8 +279,9 @@ def test_ragged_single_images_into_a_tensor_model() -> None:
     model = SegNet().to(D).eval()
     images = [torch.randn(3, 6, 6, dtype=D), torch.randn(3, 5, 7, dtype=D)]
     with pytest.raises(ValueError, match=r"reads two ways.*input_kind='tensors' or 'levels'"):
-        mj.per_sample_jacobian(model, images, params="body.2.*")
-    res = mj.per_sample_jacobian(model, images, params="body.2.*", input_kind="tensors")
+        mj.pack(images)  # without the model, both readings stand
+    # the model takes tensors: only the per-sample reading runs, so no choice is needed
+    res = mj.per_sample_jacobian(model, images, params="body.2.*")
     sub = mj.ParamSubset.from_names(model, "body.2.*")
     cols = sub.flat_indices()
     ref = [full_jacobian(model, [im.unsqueeze(0)])[0][..., cols] for im in images]
@@ -292,12 +293,30 @@ def test_ragged_single_images_into_a_tensor_model() -> None:
     ]
 
 
+class EitherInput(nn.Module):
+    """Takes a tensor or a list (and then its first element): both readings run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x[0] if isinstance(x, list) else x)
+
+
 def test_equal_length_sequences_are_not_levels() -> None:
+    torch.manual_seed(0)
     seqs = [torch.randn(5, 4, dtype=D) for _ in range(3)]  # three (T, C) sequences, equal T
     with pytest.raises(ValueError, match="reads two ways"):
         mj.pack(seqs)
     assert mj.pack(seqs, input_kind="tensors").num_samples == 3
     assert mj.pack(seqs, input_kind="levels").num_samples == 5
+    # a sequence model (B, T, C) -> (B, T, 2): only the per-sample reading runs
+    seq_model = nn.Linear(4, 2).to(D)
+    with pytest.raises(ValueError, match="reads two ways"):
+        mj.per_sample_jacobian(EitherInput().to(D), seqs)  # both readings run: refused
+    res = mj.per_sample_jacobian(seq_model, [torch.randn(5, 4, dtype=D)] * 2 + [seqs[0]])
+    assert res.jacobian.shape == (3, 10, 10)
 
 
 # ---------------------------------------------------------------------- 5. mappings
@@ -391,3 +410,28 @@ def test_token_ids_and_max_norm(strategy: str) -> None:
     ref_model = copy.deepcopy(model)
     ref = full_jacobian(ref_model, [ids[i : i + 1] for i in range(4)])
     torch.testing.assert_close(res.jacobian, ref, atol=1e-10, rtol=0)
+
+
+class TokenNet(nn.Module):
+    """Token ids ``(B, 1, T)`` -> per-token logits ``(B, T, 3)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(10, 4), nn.Linear(4, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.emb(ids[:, 0].long())))
+
+
+@pytest.mark.parametrize("strategy", ["padded", "bucketed", "loop"])
+def test_ragged_token_ids_every_strategy(strategy: str) -> None:
+    torch.manual_seed(0)
+    model = TokenNet().to(D)
+    seqs = [torch.randint(0, 10, (1, t)) for t in (5, 3, 6)]
+    res = mj.per_sample_jacobian(model, seqs, strategy=strategy, strict=True)
+    assert res.strategy == strategy
+    ref = full_jacobian(model, [s.unsqueeze(0) for s in seqs])
+    for i, r in enumerate(ref):
+        torch.testing.assert_close(res.jacobian[i, : r.shape[0]], r, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match=r"is passed as \(1, T\)"):
+        mj.pack([s[0] for s in seqs])
