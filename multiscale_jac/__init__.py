@@ -17,7 +17,7 @@ Layers (each its own module; data flows one way):
 
 from . import reference
 from .adapter import PerSampleFunction
-from .engine import per_sample_jacobian
+from .engine import PlanCacheInfo, clear_plan_cache, per_sample_jacobian, plan_cache_info
 from .enums import (
     BatchNormPolicy,
     Entries,
@@ -36,6 +36,7 @@ from .enums import (
     PriorStructure,
     Randomness,
     Strategy,
+    Tune,
     UnsupportedOpError,
 )
 from .fisher import DiagFisherResult, diag_fisher
@@ -65,7 +66,10 @@ __all__ = [
     "ParamSubset",
     # engine
     "JacobianResult",
+    "PlanCacheInfo",
+    "clear_plan_cache",
     "per_sample_jacobian",
+    "plan_cache_info",
     # derived quantities
     "DiagFisherResult",
     "Estimator",
@@ -95,4 +99,5 @@ __all__ = [
     "Mode",
     "Randomness",
     "Strategy",
+    "Tune",
 ]

@@ -78,6 +78,7 @@ SIGNATURES: dict[str, tuple[list[str], dict[str, Any]]] = {
         "momentum=0.1 eps=1e-5",
         "group_norm": "input num_groups weight=None bias=None eps=1e-5",
         "layer_norm": "input normalized_shape weight=None bias=None eps=1e-5",
+        "rms_norm": "input normalized_shape weight=None eps=None",
         "instance_norm": "input running_mean=None running_var=None weight=None bias=None "
         "use_input_stats=True momentum=0.1 eps=1e-5",
         "linear": "input weight bias=None",

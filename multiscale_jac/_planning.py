@@ -11,22 +11,28 @@ needs ``n`` times one sample's; the returned ``(N, O, P)`` result is counted onc
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .adapter import PerSampleFunction
 from .entries import NotStructuredError, entry_call, entry_names
-from .enums import Entries, MemoryBudgetError, Mode, Randomness, Strategy
+from .enums import Entries, MemoryBudgetError, Mode, Randomness, Strategy, Tune
 from .masked import PaddedFunction, UnsupportedOpError
 from .packing import PackedBatch
 from .structured import StructuredFunction
 from .subset import ParamSubset
 
 __all__ = [
+    "COUNTS",
+    "PLAN_CACHE",
+    "Decision",
     "EngineOptions",
     "EntryCost",
     "Footprint",
@@ -39,14 +45,22 @@ __all__ = [
     "first_line",
     "measure",
     "per_sample_bytes",
+    "decision",
     "plan_chunks",
+    "plan_key",
     "plan_seconds",
     "plan_strategy",
+    "replay",
     "rev_structured",
     "span_tensor",
     "survey",
     "tangent_groups",
 ]
+
+
+#: how often planning measured a forward pass, surveyed structured costs and probed routes
+#: (read by :func:`~multiscale_jac.plan_cache_info`)
+COUNTS: collections.Counter[str] = collections.Counter()
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class EngineOptions:
     memory_budget: int | None = None
     randomness: Randomness = Randomness.ERROR
     strict: bool = False
+    tune: Tune = Tune.AUTO
 
 
 #: Working-set target per vectorised call when neither ``chunk_size`` nor ``memory_budget`` is
@@ -86,10 +101,14 @@ class Plan:
     inner: int | None
 
 
+_UNMEASURED = Footprint(0, 0, 0)
+
+
 def measure(
     fn: PerSampleFunction, values: tuple[Tensor, ...], levels: tuple[Tensor, ...]
 ) -> Footprint:
     """Run one sample forward with autograd on and record saved-tensor sizes and ``O``."""
+    COUNTS["measure"] += 1
     seen: dict[int, int] = {}
 
     def pack_hook(t: Tensor) -> Tensor:
@@ -224,6 +243,7 @@ def survey(
     fn: PerSampleFunction, values: tuple[Tensor, ...], levels: tuple[Tensor, ...]
 ) -> dict[str, EntryCost]:
     """:class:`EntryCost` of every selected tensor (one primal forward pass each)."""
+    COUNTS["survey"] += 1
     costs: dict[str, EntryCost] = {}
     names = entry_names(fn)
     with torch.no_grad():
@@ -382,27 +402,35 @@ def _measure_groups(
     fn: PerSampleFunction, packed: PackedBatch, strategy: Strategy
 ) -> tuple[list[Group], list[int]]:
     """The groups with the footprint of their first sample, and every sample's ``O``."""
-    values = fn.values()
-    sizes = [0] * len(packed)
+    groups, values = _bare_groups(fn, packed, strategy), fn.values()
     if strategy is Strategy.PADDED:
-        pfn = PaddedFunction(fn, packed)
-        device = packed.device
-        fp = measure(pfn, values, (*(t[0] for t in packed.levels), torch.tensor(0, device=device)))
+        pfn = groups[0].fn
+        index = torch.tensor(0, device=packed.device)
+        fp = measure(pfn, values, (*(t[0] for t in packed.levels), index))
         table = pfn.output_table
         sizes = [int(o) for o in table.sum(dim=1).tolist()]
-
-        def padded_levels(idx: list[int]) -> list[Tensor]:
-            it = torch.tensor(idx, device=device)
-            return [t.index_select(0, it) for t in packed.levels] + [it]
-
-        return [Group(list(range(len(packed))), pfn, padded_levels, fp, table)], sizes
+        return [dataclasses.replace(groups[0], footprint=fp, table=table)], sizes
+    sizes = [0] * len(packed)
     measured = []
-    for b in packed.buckets():
-        fp = measure(fn, values, tuple(lv[0] for lv in packed.stack(b.indices[:1])))
-        for i in b.indices:
+    for g in groups:
+        fp = measure(fn, values, tuple(lv[0] for lv in packed.stack(g.indices[:1])))
+        for i in g.indices:
             sizes[i] = fp.outputs
-        measured.append(Group(b.indices, fn, packed.stack, fp))
+        measured.append(dataclasses.replace(g, footprint=fp))
     return measured, sizes
+
+
+def _bare_groups(fn: PerSampleFunction, packed: PackedBatch, strategy: Strategy) -> list[Group]:
+    """The groups of a strategy before anything is measured (no footprint, no chunks)."""
+    if strategy is not Strategy.PADDED:
+        return [Group(b.indices, fn, packed.stack, _UNMEASURED) for b in packed.buckets()]
+    device = packed.device
+
+    def padded_levels(idx: list[int]) -> list[Tensor]:
+        it = torch.tensor(idx, device=device)
+        return [t.index_select(0, it) for t in packed.levels] + [it]
+
+    return [Group(list(range(len(packed))), PaddedFunction(fn, packed), padded_levels, _UNMEASURED)]
 
 
 def _pick_mode(
@@ -621,3 +649,122 @@ def first_line(err: BaseException) -> str:
     """The first line of an error's message (at most 200 characters), for notes."""
     text = str(err).strip().splitlines()
     return text[0][:200] if text else ""
+
+
+# ---------------------------------------------------------------------- the plan cache
+@dataclass(frozen=True)
+class Decision:
+    """A plan without its data: what :data:`PLAN_CACHE` keeps, replayed by :func:`replay` on
+    inputs of the same shapes with no forward pass."""
+
+    strategy: Strategy
+    mode: Mode
+    structured: tuple[str, ...]
+    spans: tuple[tuple[int, int], ...]
+    sizes: tuple[int, ...]
+    groups: tuple[tuple[Footprint, Tensor | None, tuple[Plan, ...]], ...]
+    notes: tuple[str, ...]
+
+
+def decision(plan: VectorPlan, structured: tuple[str, ...], notes: list[str]) -> Decision:
+    """What to keep of a plan that ran (``structured``: what ran structured in the end)."""
+    groups = tuple((g.footprint, g.table, g.chunks) for g in plan.groups)
+    spans = tuple(plan.spans)
+    return Decision(plan.strategy, plan.mode, structured, spans, plan.sizes, groups, tuple(notes))
+
+
+def replay(fn: PerSampleFunction, packed: PackedBatch, d: Decision) -> VectorPlan:
+    """The plan of ``d`` for ``packed`` (same shapes): no measurement, no survey."""
+    rev_fn = StructuredFunction(fn, d.structured) if d.mode is Mode.REV and d.structured else fn
+    groups = []
+    for g, (fp, table, chunks) in zip(_bare_groups(fn, packed, d.strategy), d.groups):
+        if table is not None:
+            g.fn.output_table = table  # type: ignore[attr-defined]
+        fn_g = rev_fn if g.fn is fn else g.fn
+        groups.append(dataclasses.replace(g, fn=fn_g, footprint=fp, table=table, chunks=chunks))
+    structured = d.structured if d.mode is Mode.FWD else StructuredFunction(fn, d.structured).names
+    return VectorPlan(
+        d.strategy, d.mode, groups, list(d.spans), d.sizes, fn.subset.numel, fn.device, structured
+    )
+
+
+def plan_key(fn: PerSampleFunction, packed: PackedBatch, options: EngineOptions) -> Any:
+    """What a plan depends on: the model's structure (modules, flags, parameter and buffer
+    shapes, not their values), the inputs' shapes and dtypes, the subset, the options and the
+    output function; ``None`` when it cannot be keyed (an output function without weak
+    references)."""
+    model = fn.model
+    try:
+        output_fn = None if fn.output_fn is None else weakref.ref(_user_fn(fn.output_fn))
+    except TypeError:
+        return None
+    modules = tuple((n, type(m), m.training) for n, m in model.named_modules())
+    tensors = tuple(
+        (n, tuple(t.shape), t.dtype, t.device)
+        for n, t in (*model.named_parameters(), *model.named_buffers())
+    )
+    levels = tuple((t.shape[1:2], t.dtype) for t in packed.levels)
+    inputs = (packed.structure, packed.layout, packed.signatures, levels, packed.device)
+    flags = (fn.eval_batch_norm, fn.tokens)
+    return (modules, tensors, inputs, subset_key(fn.subset), options, output_fn, flags)
+
+
+def subset_key(subset: ParamSubset) -> Any:
+    """A subset as a hashable key (names, selected entries and column order)."""
+    selection = tuple(
+        (n, None if i is None else tuple(i.tolist())) for n, i in subset.indices.items()
+    )
+    return selection, None if subset.columns is None else tuple(subset.columns.tolist())
+
+
+def _user_fn(output_fn: Any) -> Any:
+    """The user's function behind the library's wrappers (they are made per call)."""
+    return getattr(output_fn, "user", None) or output_fn
+
+
+class PlanCache:
+    """The engine's decisions, process-wide, like torch's cuDNN autotuning cache: keyed by
+    model (held weakly: an entry never keeps a model alive and goes with it) and by everything
+    a plan depends on (:func:`plan_key`), the least recently used dropped beyond ``maxsize``.
+    Cleared by :func:`~multiscale_jac.clear_plan_cache`."""
+
+    def __init__(self, maxsize: int = 128) -> None:
+        self.maxsize = maxsize
+        self.hits = self.misses = 0
+        self._entries: collections.OrderedDict[Any, tuple[weakref.ref, Decision]] = (
+            collections.OrderedDict()
+        )
+
+    def get(self, model: Any, key: Any) -> Decision | None:
+        entry = None if key is None else self._entries.get((id(model), key))
+        if entry is None or entry[0]() is not model:
+            self.misses += key is not None
+            return None
+        self._entries.move_to_end((id(model), key))
+        self.hits += 1
+        return entry[1]
+
+    def put(self, model: Any, key: Any, value: Decision) -> None:
+        if key is None:
+            return
+        ident = id(model)
+        ref = weakref.ref(model, lambda _: self._drop(ident))
+        self._entries[(ident, key)] = (ref, value)
+        self._entries.move_to_end((ident, key))
+        while len(self._entries) > self.maxsize:
+            self._entries.popitem(last=False)
+
+    def _drop(self, ident: int) -> None:
+        for k in [k for k in self._entries if k[0] == ident]:
+            del self._entries[k]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: the process-wide plan cache of the engine
+PLAN_CACHE = PlanCache()

@@ -18,8 +18,9 @@ of outputs per sample, else ``rev``.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -33,11 +34,17 @@ from ._checks import (
     warn_fallback,
 )
 from ._planning import (
+    COUNTS,
+    PLAN_CACHE,
     EngineOptions,
     VectorPlan,
     choose_strategy,
+    decision,
     first_line,
+    plan_key,
+    plan_seconds,
     plan_strategy,
+    replay,
     span_tensor,
 )
 from .adapter import PerSampleFunction
@@ -46,9 +53,11 @@ from .enums import (
     BatchNormPolicy,
     Entries,
     InputKind,
+    MemoryBudgetError,
     Mode,
     Randomness,
     Strategy,
+    Tune,
     UnsupportedOpError,
     parse_enum,
 )
@@ -57,7 +66,50 @@ from .reference import loop_jacobian
 from .result import JacobianResult, output_mask_from_sizes
 from .subset import ParamSubset
 
-__all__ = ["per_sample_jacobian", "run_engine"]
+__all__ = [
+    "PlanCacheInfo",
+    "clear_plan_cache",
+    "per_sample_jacobian",
+    "plan_cache_info",
+    "run_engine",
+]
+
+
+class PlanCacheInfo(NamedTuple):
+    """The engine's plan cache (``plan_cache_info()``): ``hits`` and ``misses`` of lookups,
+    ``size`` entries of at most ``maxsize``, and how often planning ran a measuring forward
+    pass (``measured``), a structured survey (``surveyed``) and a route probe (``probed``)
+    since the process started or the cache was cleared."""
+
+    hits: int
+    misses: int
+    size: int
+    maxsize: int
+    measured: int
+    surveyed: int
+    probed: int
+
+
+def plan_cache_info() -> PlanCacheInfo:
+    """The state of the engine's process-wide plan cache (see :func:`clear_plan_cache`)."""
+    c = PLAN_CACHE
+    return PlanCacheInfo(
+        c.hits, c.misses, len(c), c.maxsize, COUNTS["measure"], COUNTS["survey"], COUNTS["probe"]
+    )
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan and reset the counters of :func:`plan_cache_info`.
+
+    The engine keeps, process-wide, the decisions it took (strategy, mode, structured
+    tensors, chunks, measured sizes) for each model (held weakly: never kept alive by the
+    cache) and call signature (the model's structure, the inputs' shapes, the subset, the
+    options), at most ``maxsize`` of them, least recently used first out; a second call with
+    the same shapes pays no measuring pass, survey or probe. It is state of the kind torch keeps
+    for cuDNN autotuning; nothing is stored on the model.
+    """
+    PLAN_CACHE.clear()
+    COUNTS.clear()
 
 
 def per_sample_jacobian(
@@ -75,6 +127,7 @@ def per_sample_jacobian(
     batch_norm: str | BatchNormPolicy = "error",
     strict: bool = False,
     input_kind: str | InputKind | None = None,
+    tune: str | Tune = "auto",
 ) -> JacobianResult:
     """Per-sample Jacobians of ``model``'s outputs w.r.t. a subset of its parameters.
 
@@ -103,6 +156,10 @@ def per_sample_jacobian(
         strict: Raise instead of falling back to another strategy.
         input_kind: How to read ``inputs`` where it is ambiguous (see
             :func:`~multiscale_jac.pack`).
+        tune: How ``auto`` choices are made (:class:`~multiscale_jac.Tune`): ``auto`` times
+            the cost model's shortlist on a probe of the data when that costs under a tenth of
+            the job, ``measure`` always, ``estimate`` never; the timings are on
+            ``result.notes``.
 
     Returns:
         A :class:`JacobianResult`; ``.jacobian`` is ``(N, O, P)``, outputs padded to the largest
@@ -131,6 +188,7 @@ def per_sample_jacobian(
         memory_budget=check_memory_budget(memory_budget),
         randomness=prep.randomness,
         strict=check_bool(strict, "strict"),
+        tune=parse_enum(Tune, tune, "tune"),
     )
     result = run_engine(prep.function(prep.packed), prep.packed, options)
     warn_fallback([result.fallback])
@@ -163,6 +221,14 @@ def run_engine(
         ) from err
 
 
+#: a job whose loop would take less (seconds) runs its cheapest plan (``tune="auto"``)
+SMALL_JOB_S = 0.1
+#: ``tune="auto"`` probes only when the job is at least this many times the probing
+PROBE_SHARE = 10
+#: routes the cost model expects at most this many times slower than its best are timed
+SHORTLIST = 4.0
+
+
 class _EngineRun:
     """One call: the strategy that runs, its plan, fallbacks and notes."""
 
@@ -171,6 +237,8 @@ class _EngineRun:
         self.requested = options  # ``options`` changes when mode 'fwd' turns out impossible
         self.fallbacks: list[str] = []
         self.notes: list[str] = []
+        self.key = plan_key(fn, packed, options)
+        self.cached = PLAN_CACHE.get(fn.model, self.key)
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
@@ -185,14 +253,102 @@ class _EngineRun:
 
     def first(self) -> tuple[Strategy, VectorPlan | None]:
         strategy, buckets = self.options.strategy, len(self.packed.buckets())
-        if strategy is Strategy.AUTO:
-            if buckets == 1:
-                return Strategy.VMAP, None
-            return choose_strategy(self.fn, self.packed, self.options, self.notes)
         if strategy is Strategy.VMAP and buckets > 1:
             why = f"strategy='vmap' needs one shape signature but the batch has {buckets}"
             return self.fall_back(why, Strategy.BUCKETED), None
-        return strategy, None
+        if self.small_job():
+            if strategy is not Strategy.AUTO:
+                return strategy, None
+            return (Strategy.VMAP if buckets == 1 else Strategy.BUCKETED), None
+        if strategy is Strategy.AUTO and buckets > 1:
+            ran, plan = choose_strategy(self.fn, self.packed, self.options, self.notes)
+        else:
+            ran = Strategy.VMAP if strategy is Strategy.AUTO else strategy
+            ran, plan = self.plan(ran)
+        if plan is not None:
+            ran, plan = self.tune(ran, plan)
+        return ran, plan
+
+    def small_job(self) -> bool:
+        """Under ``tune="auto"``, a job whose loop would take under :data:`SMALL_JOB_S` (one
+        forward pass, timed, times the samples and rows) runs its cheapest plan: no survey, no
+        padded plan, no probe (planning would cost more than it saves)."""
+        o = self.options
+        free = [o.strategy is Strategy.AUTO, o.mode is Mode.AUTO, o.entries is Entries.AUTO]
+        if o.tune is not Tune.AUTO or not any(free) or SMALL_JOB_S <= 0:
+            return False
+        levels = tuple(self.packed.sample(self.packed.largest_sample))
+        start = time.perf_counter()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            rows = self.fn.call(self.fn.params, levels).numel()
+        loop = (time.perf_counter() - start) * len(self.packed) * (1 + 2 * rows)
+        if loop >= SMALL_JOB_S:
+            return False
+        mode = o.mode
+        if mode is Mode.AUTO:
+            mode = Mode.FWD if self.fn.subset.numel < rows else Mode.REV
+        entries = Entries.GENERIC if o.entries is Entries.AUTO else o.entries
+        self.options = dataclasses.replace(o, mode=mode, entries=entries)
+        self.notes.append(
+            f"auto: a small job (the loop would take about {loop * 1e3:.0f} ms): mode "
+            f"{mode.value!r}, {entries.value} entries, no survey or probe"
+        )
+        return True
+
+    def tune(self, ran: Strategy, plan: VectorPlan) -> tuple[Strategy, VectorPlan]:
+        """Time the routes ``auto`` chose between (strategy and mode, those the cost model does
+        not rule out by more than :data:`SHORTLIST`x) on a probe of the real data, and keep
+        the fastest; only where the probe costs under a tenth of the job (``tune="auto"``) or
+        always (``"measure"``)."""
+        o, n = self.options, len(self.packed)
+        strategies = [ran]
+        if o.strategy is Strategy.AUTO and len(self.packed.buckets()) > 1:
+            strategies = [Strategy.BUCKETED, Strategy.PADDED]
+        modes = [Mode.REV, Mode.FWD] if o.mode is Mode.AUTO else [plan.mode]
+        candidates = [(s, m) for s in strategies for m in modes]
+        probe = _probe_indices(self.packed)
+        if o.tune is Tune.ESTIMATE or len(candidates) < 2:
+            return ran, plan
+        if o.tune is Tune.AUTO and n < PROBE_SHARE * 2 * len(candidates) * len(probe):
+            return ran, plan
+        small = self.packed.select(probe)
+        plans, estimates = {}, {}
+        for s, m in candidates:
+            try:
+                plans[s, m] = plan_strategy(self.fn, small, s, dataclasses.replace(o, mode=m), [])
+            except (RuntimeError, UnsupportedOpError, MemoryBudgetError):
+                continue  # a route that cannot run is no candidate
+            estimates[s, m] = plan_seconds(plans[s, m])
+        best = min(estimates.values(), default=0.0)
+        times = {}
+        for key, est in estimates.items():
+            if est <= SHORTLIST * best:
+                times[key] = self.time_probe(plans[key])
+        times = {k: v for k, v in times.items() if v is not None}
+        if not times:
+            return ran, plan
+        (s, m) = min(times, key=times.__getitem__)
+        self.notes.append(
+            f"tune: timed on {len(probe)} samples: "
+            + ", ".join(f"{k[0].value}/{k[1].value} {v * 1e3:.1f} ms" for k, v in times.items())
+            + f"; chose {s.value}/{m.value}"
+        )
+        if (s, m) == (ran, plan.mode):
+            return ran, plan
+        self.options = dataclasses.replace(o, mode=m)
+        return self.plan(s)
+
+    def time_probe(self, plan: VectorPlan) -> float | None:
+        """Seconds of one run of ``plan`` after a warm-up run, ``None`` if it fails."""
+        COUNTS["probe"] += 1
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                _fill(plan, self.fn, self.options.randomness, [])
+                start = time.perf_counter()
+                _fill(plan, self.fn, self.options.randomness, [])
+                return time.perf_counter() - start
+        except (RuntimeError, NotImplementedError):
+            return None
 
     def plan(self, ran: Strategy) -> tuple[Strategy, VectorPlan | None]:
         """Plan ``ran``; a padded strategy that cannot run falls back to ``bucketed``.
@@ -235,7 +391,11 @@ class _EngineRun:
         )
 
     def run(self) -> JacobianResult:
-        ran, plan = self.first()
+        if self.cached is not None:  # the same shapes ran before: no measuring, no planning
+            ran, plan = self.cached.strategy, replay(self.fn, self.packed, self.cached)
+            self.notes = [*self.cached.notes, "plan: cached (the same shapes ran before)"]
+        else:
+            ran, plan = self.first()
         while ran is not Strategy.LOOP:
             if plan is None or plan.strategy is not ran:
                 ran, plan = self.plan(ran)
@@ -257,6 +417,8 @@ class _EngineRun:
                 "structured": structured,
             }
             jac = self.fn.subset.to_flat_order(jac)  # the loop's rows are in that order already
+            if self.cached is None and not self.fallbacks:
+                PLAN_CACHE.put(self.fn.model, self.key, decision(plan, structured, self.notes))
             return self.result(jac, outputs, plan.sizes, ran, plan.mode, **extra)
         jac, outputs, sizes = loop_jacobian(self.fn, self.packed)
         return self.result(jac, outputs, sizes, Strategy.LOOP, Mode.REV)
@@ -284,6 +446,13 @@ class _EngineRun:
             outputs=outputs,
             **extra,
         )
+
+
+def _probe_indices(packed: PackedBatch) -> list[int]:
+    """The samples routes are timed on: the largest and up to three spread over the batch."""
+    n = len(packed)
+    spread = {round(k * (n - 1) / 3) for k in range(4)} if n > 1 else {0}
+    return sorted(spread | {packed.largest_sample})[:4]
 
 
 def _fill(

@@ -18,6 +18,7 @@ __all__ = [
     "FisherKind",
     "FisherMethod",
     "HessianKind",
+    "HessianStructure",
     "InputKind",
     "JacNormMethod",
     "LayerRule",
@@ -26,9 +27,13 @@ __all__ = [
     "LinkApprox",
     "MemoryBudgetError",
     "Mode",
+    "PredType",
     "PriorStructure",
     "Randomness",
     "Strategy",
+    "SubsetOfWeights",
+    "TuningMethod",
+    "Tune",
     "UnsupportedOpError",
     "parse_enum",
 ]
@@ -80,6 +85,17 @@ class Entries(_StrEnum):
     AUTO = "auto"
     STRUCTURED = "structured"
     GENERIC = "generic"
+
+
+class Tune(_StrEnum):
+    """How ``auto`` picks a route: ``estimate`` (the cost model alone), ``measure`` (time the
+    cost model's shortlist on a probe of the real data, always) or ``auto`` (measure when the
+    probe costs under a tenth of the job; a job whose loop would take under 0.1 s runs the
+    cheapest plan without surveying)."""
+
+    AUTO = "auto"
+    MEASURE = "measure"
+    ESTIMATE = "estimate"
 
 
 class Randomness(_StrEnum):
@@ -165,17 +181,22 @@ class FisherMethod(_StrEnum):
 class JacNormMethod(_StrEnum):
     """How ``S`` and its gradient are computed.
 
-    * ``auto``: ``layerwise`` when every selected tensor has a per-layer closed form and the
-      model does not mix samples in a batch (checked), else ``hvp``.
+    * ``auto``: the fastest of the routes below that can run, timed on a probe of the data
+      when that costs under a tenth of the job (``tune``), else ``layerwise`` where every
+      selected tensor has a per-layer closed form, else ``vmap``; the choice is cached.
     * ``layerwise``: one batched forward per chunk, one data-only backward per output row (or
       probe) with ``create_graph``, per-sample layer gradients squared in closed form
       (:mod:`~multiscale_jac.layerwise`), then one backward of the chunk's ``S``.
+    * ``vmap``: reverse over reverse: per-sample gradients of every output row by
+      ``vmap(grad)``, the chunk's squared norm, then its gradient by one more reverse pass (what
+      ``torch.func`` users write, chunked); any model.
     * ``hvp``: per sample and output row, ``grad`` then a forward-over-reverse Hessian-vector
-      product (``jvp`` of ``grad``), vectorised with ``vmap``; any model.
+      product (``jvp`` of ``grad``), vectorised with ``vmap``; any deterministic model.
     """
 
     AUTO = "auto"
     LAYERWISE = "layerwise"
+    VMAP = "vmap"
     HVP = "hvp"
 
 
@@ -209,10 +230,54 @@ class LinkApprox(_StrEnum):
 
 
 class PriorStructure(_StrEnum):
-    """``scalar`` (one precision) or ``tensor`` (one per selected parameter tensor)."""
+    """The shape of a fitted prior precision.
+
+    * ``scalar``: one precision (stored as a one-element tensor, as in laplace-torch).
+    * ``layerwise`` (laplace-torch's name) or ``tensor``: one per selected parameter tensor.
+    * ``diag``: one per selected entry, ``(P,)``.
+    """
 
     SCALAR = "scalar"
     TENSOR = "tensor"
+    LAYERWISE = "layerwise"
+    DIAG = "diag"
+
+
+class SubsetOfWeights(_StrEnum):
+    """Which weights :func:`~multiscale_jac.laplace.Laplace` treats probabilistically.
+
+    * ``all``: every parameter that requires grad.
+    * ``last_layer``: the weight and bias of the last ``nn.Linear`` (registration order), or
+      of the last module that owns parameters when there is no ``nn.Linear``.
+    * ``subnetwork``: the entries given by ``subnetwork_indices``.
+    """
+
+    ALL = "all"
+    LAST_LAYER = "last_layer"
+    SUBNETWORK = "subnetwork"
+
+
+class HessianStructure(_StrEnum):
+    """The structure of the curvature: ``full`` (``P x P``) or ``diag`` (``(P,)``)."""
+
+    FULL = "full"
+    DIAG = "diag"
+
+
+class PredType(_StrEnum):
+    """The predictive: ``glm`` (linearised, ``f(x) + J (theta - theta_MAP)``) or ``nn`` (the
+    model itself run with posterior samples of the parameters)."""
+
+    GLM = "glm"
+    NN = "nn"
+
+
+class TuningMethod(_StrEnum):
+    """How the prior precision is tuned: ``marglik`` (Adam on the log marginal likelihood) or
+    ``gridsearch`` (the validation loss over a log-spaced grid)."""
+
+    MARGLIK = "marglik"
+    GRIDSEARCH = "gridsearch"
 
 
 class LayerRule(_StrEnum):

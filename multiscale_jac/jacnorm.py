@@ -19,12 +19,13 @@ gradient (a custom autograd function: nothing of the forward is kept but the inp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import grad, jvp, vmap
+from torch.func import grad, grad_and_value, jvp, vmap
 
 from ._checks import (
     Prepared,
@@ -37,7 +38,7 @@ from ._checks import (
     warn_fallback,
 )
 from ._distributed import Reducer
-from ._planning import measure
+from ._planning import COUNTS, PLAN_CACHE, EngineOptions, measure, plan_key, subset_key
 from ._stream import with_progress
 from .enums import (
     BatchNormPolicy,
@@ -46,6 +47,7 @@ from .enums import (
     JacNormMethod,
     MemoryBudgetError,
     Randomness,
+    Tune,
     parse_enum,
 )
 from .layerwise import LayerwisePlan, NotLayerwiseError, batched_run, plan_layers
@@ -55,8 +57,10 @@ __all__ = ["jacobian_sq_norm", "jacobian_sq_norm_backward"]
 
 #: per-sample gradients a layer-wise chunk keeps in its graph, at most (default chunk size)
 _LAYERWISE_BYTES = 16 * 2**20
-#: samples per vectorised call of the ``hvp`` route by default
+#: samples per vectorised call of the ``hvp`` and ``vmap`` routes by default
 _HVP_CHUNK = 16
+#: ``tune="auto"`` probes only when the job is at least this many times the probing
+PROBE_SHARE = 10
 
 
 def jacobian_sq_norm(
@@ -76,6 +80,7 @@ def jacobian_sq_norm(
     strict: bool = False,
     progress: bool = False,
     generator: torch.Generator | None = None,
+    tune: str | Tune = "auto",
     accumulate_grad: bool = False,
     scale: float = 1.0,
     process_group: Any = None,
@@ -94,21 +99,22 @@ def jacobian_sq_norm(
         params: The entries ``p`` summed over (a :class:`ParamSubset`, names or globs).
         output_fn: Applied to the model's output (batch dim of one kept) before flattening.
         input_kind: How to read ``inputs`` where it is ambiguous (:func:`~multiscale_jac.pack`).
-        method: ``auto``, ``layerwise`` or ``hvp`` (see :class:`~multiscale_jac.JacNormMethod`).
+        method: ``auto``, ``layerwise``, ``vmap`` or ``hvp`` (:class:`~multiscale_jac.JacNormMethod`).
         estimator: ``exact`` or ``hutchinson``.
         num_probes: Probes per sample for ``hutchinson`` (default 8).
-        chunk_size: Samples per batched run (``layerwise``; default: as many as keep the
-            chunk's per-sample gradients under 16 MiB) or per vectorised call (``hvp``;
-            default 16).
+        chunk_size: Samples per batched run (``layerwise``; default: per-sample gradients
+            under 16 MiB) or per vectorised call (``vmap``, ``hvp``; default 16).
         memory_budget: Bytes of the working set (the gradient included); picks the chunks.
-        randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``. With
-            dropout in train mode, ``different`` runs the layer-wise route, where the value and
-            its gradient see the same masks (the backward restores the random state of the
-            forward); the ``hvp`` route and ``same`` need a deterministic model.
+        randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``; value
+            and gradient see the same dropout masks (the backward restores the random state
+            of the forward); ``hvp`` needs a deterministic model.
         batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
-        strict: Raise instead of falling back from ``layerwise`` to ``hvp`` at run time.
+        strict: Raise instead of falling back from ``layerwise`` to ``vmap`` at run time.
         progress: A tqdm bar over the chunks when a terminal is attached.
         generator: Seeds the probes (drawn once, so value and gradient use the same ones).
+        tune: How ``method="auto"`` chooses (:class:`~multiscale_jac.Tune`): the methods are
+            timed on a probe of the data when that costs under a tenth of the job (``auto``),
+            always (``measure``) or never (``estimate``); the choice is cached per shapes.
         accumulate_grad: Compute value and gradient in one pass now and add
             ``scale * grad S`` into ``.grad``; the returned value is then detached.
         scale: The factor of the accumulated gradient (only with ``accumulate_grad=True``;
@@ -139,10 +145,15 @@ def jacobian_sq_norm(
         strict=check_bool(strict, "strict"),
         progress=check_bool(progress, "progress"),
         generator=check_generator(generator),
+        tune=parse_enum(Tune, tune, "tune"),
     )
     if not accumulate_grad:
         return _SqNorm.apply(job, *job.trainable.values())
-    reducer = Reducer(process_group)
+    return _accumulate(job, scale, Reducer(process_group))
+
+
+def _accumulate(job: _Job, scale: float, reducer: Reducer) -> Tensor:
+    """``S`` (detached) after adding ``scale * grad S``, summed over the ranks, into ``.grad``."""
     value, grads = job.run(with_grad=True)
     reducer.sum_([value, *grads.values()])
     for name, p in job.trainable.items():
@@ -168,6 +179,7 @@ def jacobian_sq_norm_backward(
     strict: bool = False,
     progress: bool = False,
     generator: torch.Generator | None = None,
+    tune: str | Tune = "auto",
     scale: float = 1.0,
     process_group: Any = None,
 ) -> Tensor:
@@ -194,6 +206,7 @@ def jacobian_sq_norm_backward(
         strict=strict,
         progress=progress,
         generator=generator,
+        tune=tune,
         accumulate_grad=True,
         scale=scale,
         process_group=process_group,
@@ -242,6 +255,7 @@ class _Job:
         strict: bool,
         progress: bool,
         generator: torch.Generator | None,
+        tune: Tune = Tune.AUTO,
     ) -> None:
         if num_probes is not None:
             num_probes = check_positive_int(num_probes, "num_probes")
@@ -258,6 +272,13 @@ class _Job:
         self.notes: list[str] = []
         self.checked = False
         self.method, self.plan = self._choose(prep, method)
+        #: what the choice of ``auto`` depends on (the plan cache's key)
+        self.key = (
+            "jacobian_sq_norm",
+            (estimator, num_probes, chunk_size, memory_budget, self.randomness),
+            subset_key(self.subset),
+            plan_key(self.fn, self.packed, EngineOptions()),
+        )
         named = dict(prep.model.named_parameters())
         self.trainable = {n: p for n, p in named.items() if p.requires_grad}
         dtype = named[self.subset.names[0]].dtype
@@ -274,31 +295,82 @@ class _Job:
         if self.randomness is not Randomness.ERROR:
             cuda = torch.cuda.get_rng_state(self.fn.device) if self.devices else None
             self.rng_state = (torch.get_rng_state(), cuda)
+        self.tune(tune)
 
     def _choose(
         self, prep: Prepared, method: JacNormMethod
     ) -> tuple[JacNormMethod, LayerwisePlan | None]:
+        """The method to run (``auto``: the default of :meth:`_candidates`, tuned later by
+        :meth:`tune`) and the layer-wise plan where there is one."""
         random = self.randomness is not Randomness.ERROR
-        if method is JacNormMethod.HVP:
-            if random:
-                raise ValueError(
-                    f"jacobian_sq_norm(method='hvp') needs a deterministic model; with "
-                    f"randomness={self.randomness.value!r} use method='layerwise' or 'auto'"
-                )
-            return method, None
-        try:
-            if self.randomness is Randomness.SAME:
-                raise NotLayerwiseError(
-                    "randomness='same' (one mask for all samples) has no batched layer-wise run"
-                )
-            plan = plan_layers(prep.model, self.subset, eval_batch_norm=prep.eval_batch_norm)
-            plan.require_all()
-        except NotLayerwiseError as err:
-            if method is JacNormMethod.LAYERWISE or random:
-                raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
-            self.notes.append(f"hvp: {err}")
-            return JacNormMethod.HVP, None
-        return JacNormMethod.LAYERWISE, plan
+        if method is JacNormMethod.HVP and random:
+            raise ValueError(
+                f"jacobian_sq_norm(method='hvp') needs a deterministic model; with "
+                f"randomness={self.randomness.value!r} use method='layerwise', 'vmap' or 'auto'"
+            )
+        plan = None
+        if method in (JacNormMethod.AUTO, JacNormMethod.LAYERWISE):
+            try:
+                if self.randomness is Randomness.SAME:
+                    raise NotLayerwiseError(
+                        "randomness='same' (one mask for all samples) has no batched layer-wise run"
+                    )
+                plan = plan_layers(prep.model, self.subset, eval_batch_norm=prep.eval_batch_norm)
+                plan.require_all()
+            except NotLayerwiseError as err:
+                if method is JacNormMethod.LAYERWISE:
+                    raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
+                self.notes.append(f"no layer-wise route: {err}")
+                plan = None
+        if method is not JacNormMethod.AUTO:
+            return method, plan
+        return (JacNormMethod.LAYERWISE if plan is not None else JacNormMethod.VMAP), plan
+
+    def candidates(self) -> list[JacNormMethod]:
+        """The methods ``auto`` may run here."""
+        found = [JacNormMethod.LAYERWISE] if self.plan is not None else []
+        found.append(JacNormMethod.VMAP)
+        if self.randomness is Randomness.ERROR:
+            found.append(JacNormMethod.HVP)
+        return found
+
+    def tune(self, tune: Tune) -> None:
+        """Under ``method="auto"``: the method of a cached decision, else the fastest on a
+        probe of the data (two samples from each of the two largest buckets, with the
+        gradient, after a warm-up), when the probe costs under a tenth of the job."""
+        if self.requested is not JacNormMethod.AUTO:
+            return
+        cached = PLAN_CACHE.get(self.fn.model, self.key)
+        if cached is not None:
+            self.method = cached
+            self.notes.append(f"cached choice: {cached.value!r} (the same shapes ran before)")
+            return
+        methods = self.candidates()
+        buckets = sorted(self.packed.buckets(), key=lambda b: -len(b.indices))[:2]
+        probe = [(b.indices[0], b.indices[:2]) for b in buckets]
+        probed = sum(len(idx) for _, idx in probe)
+        worth = len(self.packed) >= PROBE_SHARE * 2 * len(methods) * probed
+        if tune is Tune.ESTIMATE or (tune is Tune.AUTO and not worth) or len(methods) < 2:
+            return
+        times = {}
+        for method in methods:
+            COUNTS["probe"] += 1
+            try:
+                with torch.random.fork_rng(devices=self.devices):
+                    self._route(method)(True, probe)  # warm-up
+                    start = time.perf_counter()
+                    self._route(method)(True, probe)
+                    times[method] = (time.perf_counter() - start) / probed
+            except (RuntimeError, NotLayerwiseError):
+                continue
+        if times:
+            self.method = min(times, key=times.__getitem__)
+            PLAN_CACHE.put(self.fn.model, self.key, self.method)
+            self.notes.append(
+                f"tune: timed on {probed} samples: "
+                + ", ".join(f"{m.value} {s * 1e3:.1f} ms" for m, s in times.items())
+                + f" per sample; chose {self.method.value!r}"
+            )
 
     def _chunk(self, chunk_size: int | None, budget: int | None, dtype: torch.dtype) -> int:
         """Samples per chunk: ``chunk_size``, else what ``memory_budget`` allows (checked
@@ -344,6 +416,21 @@ class _Job:
         with torch.no_grad(), torch.random.fork_rng(devices=self.devices):
             return int(self.fn.call(self.fn.params, levels).numel())
 
+    def _progress(self, chunks: list[tuple[int, list[int]]] | None) -> Any:
+        """The chunks to run (``None``: every chunk of the batch, with a progress bar)."""
+        if chunks is not None:
+            return chunks
+        chunks = self._chunks()
+        return with_progress(chunks, self.progress, "jacobian_sq_norm", len(chunks))
+
+    def _rows(self, first: int, idx: list[int], like: Tensor) -> Tensor:
+        """The output-space vectors of a chunk ``(n, K, O)``: the rows of the identity
+        (``exact``) or the probes (``hutchinson``)."""
+        if self.probes is not None:
+            return torch.stack([self.probes[i] for i in idx])
+        o = self.outputs[first]
+        return torch.eye(o, dtype=like.dtype, device=like.device).expand(len(idx), o, o)
+
     def _chunks(self) -> list[tuple[int, list[int]]]:
         """``(first sample of the bucket, chunk's samples)`` for every chunk."""
         return [
@@ -363,15 +450,24 @@ class _Job:
                 try:
                     return self._run_layerwise(with_grad)
                 except NotLayerwiseError as err:
-                    if self.strict or self.rng_state is not None:
+                    if self.strict:
                         raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
-                    msg = f"layer-wise closed forms failed ({err}); ran hvp"
+                    msg = f"layer-wise closed forms failed ({err}); ran vmap"
                     warn_fallback([msg])
                     self.notes.append(msg)
-                    self.method = JacNormMethod.HVP
-            return self._run_hvp(with_grad)
+                    self.method = JacNormMethod.VMAP
+            return self._route(self.method)(with_grad)
 
-    def _run_layerwise(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
+    def _route(self, method: JacNormMethod) -> Any:
+        return {
+            JacNormMethod.LAYERWISE: self._run_layerwise,
+            JacNormMethod.VMAP: self._run_vmap,
+            JacNormMethod.HVP: self._run_hvp,
+        }[method]
+
+    def _run_layerwise(
+        self, with_grad: bool, chunks: list[tuple[int, list[int]]] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Per chunk: batched forward, one backward per output row / probe with the layer-wise
         hooks (``create_graph`` for the gradient), ``S_chunk``, then its backward."""
         if self.plan is None:  # not reachable: method is layerwise only with a plan
@@ -379,8 +475,7 @@ class _Job:
         params = list(self.trainable.values())
         value = params[0].new_zeros(()) if params else torch.zeros(())
         grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
-        chunks = self._chunks()
-        for _, idx in with_progress(chunks, self.progress, "jacobian_sq_norm", len(chunks)):
+        for _, idx in self._progress(chunks):
             lv, out, run = batched_run(
                 self.fn,
                 self.packed.stack(idx),
@@ -408,7 +503,9 @@ class _Job:
             value = value + part.detach()
         return value, grads
 
-    def _run_hvp(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
+    def _run_hvp(
+        self, with_grad: bool, chunks: list[tuple[int, list[int]]] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         base = self.fn.params
         fn, mask = self.fn, self.mask
         value = next(iter(base.values())).new_zeros(())
@@ -431,18 +528,46 @@ class _Job:
             scale = 1.0 if self.probes is None else 1.0 / us.shape[0]
             return vals.sum() * scale, {n: h.sum(0) * scale for n, h in hvs.items()}
 
-        chunks = self._chunks()
-        for first, idx in with_progress(chunks, self.progress, "jacobian_sq_norm", len(chunks)):
-            o = self.outputs[first]
+        for first, idx in self._progress(chunks):
             levels = self.packed.stack(idx)
-            if self.probes is None:
-                eye = torch.eye(o, dtype=value.dtype, device=value.device)
-                us = eye.expand(len(idx), o, o)
-            else:
-                us = torch.stack([self.probes[i] for i in idx])
+            us = self._rows(first, idx, value)
             with torch.no_grad():
                 vals, hvs = vmap(per_sample)(us, *levels)
             value = value + vals.sum()
             for n, h in hvs.items():
                 grads[n] += h.sum(0)
+        return value, grads
+
+    def _run_vmap(
+        self, with_grad: bool, chunks: list[tuple[int, list[int]]] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per chunk: the per-sample gradients of every output row (or probe) by
+        ``vmap(grad)``, the chunk's ``S`` and its gradient by one more reverse pass."""
+        fn, mask = self.fn, self.mask
+        base = fn.params
+        value = next(iter(base.values())).new_zeros(())
+        grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
+
+        def out_dot(p: dict[str, Tensor], u: Tensor, levels: tuple[Tensor, ...]) -> Tensor:
+            return (fn.call(p, levels) * u).sum()
+
+        def chunk_s(p: dict[str, Tensor], us: Tensor, levels: list[Tensor]) -> Tensor:
+            def per_sample(rows: Tensor, *lv: Tensor) -> Tensor:
+                g = vmap(lambda u: grad(out_dot)(p, u, lv))(rows)  # name -> (K, *shape)
+                return sum(((g[n] * mask[n]) ** 2).sum() for n in mask)
+
+            scale = 1.0 if self.probes is None else 1.0 / us.shape[1]
+            return vmap(per_sample, randomness=self.randomness.value)(us, *levels).sum() * scale
+
+        for first, idx in self._progress(chunks):
+            levels = self.packed.stack(idx)
+            us = self._rows(first, idx, value)
+            with torch.no_grad():
+                if with_grad:
+                    g, s = grad_and_value(chunk_s)(base, us, levels)
+                    for n in grads:
+                        grads[n] += g[n]
+                else:
+                    s = chunk_s(base, us, levels)
+            value = value + s
         return value, grads

@@ -37,6 +37,7 @@ from ._ops import (
     UNARY,
     RuleMode,
     avg_divisor,
+    bind_call,
     bind_op,
     named,
     ntuple,
@@ -204,7 +205,8 @@ class MaskedMode(RuleMode):
         region = compact(region)
         if region is None:
             return out
-        return self.track(torch.where(self.mask(region, out), out, 0), region)
+        zero = False if out.dtype == torch.bool else 0  # ``where(m, bool, 0)`` is int64
+        return self.track(torch.where(self.mask(region, out), out, zero), region)
 
     def rezero_box(self, out: Tensor, sizes: Tensor, nsp: int) -> Tensor:
         """``out`` re-zeroed outside the top-left box of ``sizes`` over its last ``nsp`` dims."""
@@ -867,8 +869,57 @@ def _layer_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tenso
     dims = tuple(range(x.dim() - k, x.dim()))
     if not set(dims) & set(region.dims):  # per position: elementwise for the region
         return mode.rezero(func(*args, **kwargs), region)
+    _check_norm_dims(mode, func, region, dims, b["weight"], b["bias"])
     out = _masked_normalise(mode, x, region, dims, b["eps"])
     return mode.rezero(_affine(out, b, x.shape[x.dim() - k :]), region)
+
+
+@MaskedMode.rule(F.rms_norm, torch.rms_norm)
+def _rms_norm(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """RMSNorm over the trailing ``normalized_shape`` dims: per position when they are not
+    padded (the channels of tokens), else the mean square over the real elements of every
+    slice, computed like PyTorch's (in at least float32, ``eps=None``: that type's epsilon)."""
+    b = bind_op("rms_norm", args, kwargs)
+    x = b["input"]
+    region = mode.region(x)
+    k = len(ntuple(b["normalized_shape"], 1))
+    dims = tuple(range(x.dim() - k, x.dim()))
+    if not set(dims) & set(region.dims):  # per position: elementwise for the region
+        return mode.rezero(func(*args, **kwargs), region)
+    _check_norm_dims(mode, func, region, dims, b["weight"])
+    acc = torch.promote_types(x.dtype, torch.float32)
+    eps = torch.finfo(acc).eps if b["eps"] is None else b["eps"]
+    xa = x.to(acc) * mode.mask(region, x)
+    mean_square = (xa * xa).sum(dim=dims, keepdim=True) / _masked_count(mode, xa, region, dims)
+    out = (xa * torch.rsqrt(mean_square + eps)).to(x.dtype)
+    return mode.rezero(_affine(out, {**b, "bias": None}, x.shape[x.dim() - k :]), region)
+
+
+def _check_norm_dims(
+    mode: MaskedMode, func: Any, region: Region, dims: tuple[int, ...], *params: Tensor | None
+) -> None:
+    """Masked statistics over ``dims`` are exact when every slice along them holds the real
+    elements of the unpadded slice: refuse normalised dims that cut a flattened group, and an
+    elementwise weight or bias that varies along a flattened group (positions differ)."""
+    if not region.ordered or not set(region.group) & set(dims):
+        return
+    if not set(region.group) <= set(dims):
+        raise mode.unsupported(
+            func,
+            "a normalisation over part of a flattened padded group (which elements it "
+            "combines depends on positions that differ from the unpadded model's)",
+        )
+    first = min(dims)
+    if any(
+        p is not None and p.dim() == len(dims) and p.shape[d - first] > 1
+        for p in params
+        for d in region.group
+    ):
+        raise mode.unsupported(
+            func,
+            "an elementwise weight or bias over a flattened padded group (positions differ "
+            "from the unpadded model's)",
+        )
 
 
 def _affine(out: Tensor, b: dict, shape: Sequence[int]) -> Tensor:
@@ -885,8 +936,7 @@ def _masked_normalise(
 ) -> Tensor:
     """``(x - mean) / sqrt(var + eps)`` with mean and (biased) variance over the real elements
     along ``dims``."""
-    full = region.full_table(x.shape).to(x.dtype)
-    count = mode.row(full.sum(dim=tuple(1 + d for d in dims), keepdim=True).clamp(min=1))
+    count = _masked_count(mode, x, region, dims)
     m = mode.mask(region, x).to(x.dtype)
     xm = x * m
     mean = xm.sum(dim=dims, keepdim=True) / count
@@ -895,37 +945,222 @@ def _masked_normalise(
     return centred * torch.rsqrt(var + eps)
 
 
+def _masked_count(mode: MaskedMode, x: Tensor, region: Region, dims: tuple[int, ...]) -> Tensor:
+    """This sample's number of real elements of every slice along ``dims`` (at least 1), shaped
+    like a ``keepdim`` reduction of ``x``."""
+    full = region.full_table(x.shape).to(x.dtype)
+    return mode.row(full.sum(dim=tuple(1 + d for d in dims), keepdim=True).clamp(min=1))
+
+
 # ---------------------------------------------------------------------- attention
+def _attention_regions(
+    mode: MaskedMode, func: Any, q: Tensor, k: Tensor, v: Tensor, tokens_first: bool = False
+) -> tuple[Region | None, Region | None]:
+    """The query's and the key's regions, checked: padding along the token dim only (``-2``,
+    or ``0`` with ``tokens_first``), the same for key and value."""
+
+    def token(t: Tensor) -> int:
+        return 0 if tokens_first else t.dim() - 2
+
+    rq, rk, rv = mode.region(q), mode.region(k), mode.region(v)
+    if rk is not None:
+        if rv is None or not rk.same_as(rv):
+            raise mode.unsupported(func, "key and value with different padding")
+        if set(rk.touched) != {token(k)}:
+            raise mode.unsupported(func, "padding of key/value outside the token dim")
+    elif rv is not None:
+        raise mode.unsupported(func, "padded value with unpadded key")
+    if rq is not None and set(rq.touched) != {token(q)}:
+        raise mode.unsupported(func, "padding of the query outside the token dim")
+    return rq, rk
+
+
+def _pair_table(rq: Region | None, rk: Region | None, size_q: int, size_k: int) -> Tensor:
+    """``(N, L, S)``: true where both the query and the key are real."""
+    r = rq if rq is not None else rk
+    n, dev = r.table.shape[0], r.table.device
+    qt = rq.table if rq is not None else torch.ones(n, size_q, dtype=torch.bool, device=dev)
+    kt = rk.table if rk is not None else torch.ones(n, size_k, dtype=torch.bool, device=dev)
+    return qt.unsqueeze(2) & kt.unsqueeze(1)
+
+
+def _user_attn_mask(
+    mode: MaskedMode,
+    func: Any,
+    am: Tensor | None,
+    rq: Region | None,
+    rk: Region | None,
+    sizes: tuple[int, int],
+    blocked: bool,
+) -> Tensor | None:
+    """A user's attention mask ``(..., L, S)``, checked against the padding: an unpadded mask
+    reads the same entries as unpadded when the tokens are padded at the end (a box), not when
+    they are interleaved (flattened); a padded mask must be real exactly where query and key
+    are. The rows of padded queries are opened (those outputs are re-zeroed; a row blocked
+    everywhere would put nan into the backward pass). ``blocked``: a bool mask is True where
+    attention is blocked (``multi_head_attention_forward``), else where it is allowed (SDPA)."""
+    if am is None:
+        return am
+    ra = mode.region(am)
+    if ra is not None:
+        n = ra.table.shape[0]
+        fits = not (rq is None and rk is None)
+        fits = fits and am.dim() >= 2 and tuple(am.shape[-2:]) == sizes
+        if fits:
+            want = _pair_table(rq, rk, *sizes).reshape(n, *[1] * (am.dim() - 2), *sizes)
+            fits = torch.equal(ra.full_table(am.shape), want.expand(n, *am.shape))
+        if not fits:
+            raise mode.unsupported(
+                func, "an attn_mask whose padding differs from the query's and the key's"
+            )
+    elif (rq is not None and rq.ordered and am.dim() >= 2 and am.shape[-2] > 1) or (
+        rk is not None and rk.ordered and am.shape[-1] > 1
+    ):
+        raise mode.unsupported(
+            func,
+            "an unpadded attn_mask over flattened padded tokens (its positions differ from "
+            "the unpadded model's)",
+        )
+    if rq is None:
+        return am
+    pad = (~mode.row(rq.table)).unsqueeze(-1)  # (L, 1): padded query rows
+    if am.dtype == torch.bool:
+        return am & ~pad if blocked else am | pad
+    return am.masked_fill(pad, 0.0)
+
+
 @MaskedMode.rule(F.scaled_dot_product_attention)
 def _sdpa(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """Keys padded along the token dim get a key-padding mask from their region (ANDed into a
+    bool ``attn_mask``, ``-inf`` in a float one), padded query rows are re-zeroed. ``is_causal``
+    with padded keys becomes its top-left causal mask, exact for tokens padded at the end."""
     names = SIGNATURES["sdpa"][0]
     b = bind_op("sdpa", args, kwargs)
     q, k, v = b["query"], b["key"], b["value"]
-    rk = mode.region(k)
+    rq, rk = _attention_regions(mode, func, q, k, v)
+    sizes = (q.shape[-2], k.shape[-2])
+    am = _user_attn_mask(mode, func, b["attn_mask"], rq, rk, sizes, blocked=False)
+    if b["is_causal"] and (rq is not None or rk is not None):
+        if any(r is not None and r.ordered for r in (rq, rk)):
+            raise mode.unsupported(
+                func,
+                "is_causal over flattened padded tokens (positions differ from the unpadded "
+                "model's)",
+            )
+        if rk is not None and am is None:
+            am = torch.ones(sizes, dtype=torch.bool, device=q.device).tril()
+            b["is_causal"] = False
     if rk is not None:
-        rv = mode.region(v)
-        if rv is None or not rk.same_as(rv):
-            raise mode.unsupported(func, "key and value with different padding")
-        if set(rk.touched) != {k.dim() - 2}:
-            raise mode.unsupported(func, "padding of key/value outside the token dim")
-        keep = mode.mask(rk, k)  # (..., S, 1)
-        key_mask = keep.transpose(-1, -2)  # (..., 1, S)
-        am = b["attn_mask"]
+        key_mask = mode.mask(rk, k).transpose(-1, -2)  # (..., 1, S)
         if am is None:
-            b["attn_mask"] = key_mask
+            am = key_mask
         elif am.dtype == torch.bool:
-            b["attn_mask"] = am & key_mask
+            am = am & key_mask
         else:
-            b["attn_mask"] = am.masked_fill(~key_mask, -math.inf)
-    elif mode.region(v) is not None:
-        raise mode.unsupported(func, "padded value with unpadded key")
+            am = am.masked_fill(~key_mask, -math.inf)
+    b["attn_mask"] = am
     out = func(**{n: b[n] for n in names if n in b and not (n == "enable_gqa" and not b[n])})
-    rq = mode.region(q)
-    if rq is None:
-        return out
-    if set(rq.touched) != {q.dim() - 2}:
-        raise mode.unsupported(func, "padding of the query outside the token dim")
     return mode.rezero(out, rq)
+
+
+_MHA_TENSORS = [
+    "in_proj_weight",
+    "in_proj_bias",
+    "bias_k",
+    "bias_v",
+    "out_proj_weight",
+    "out_proj_bias",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "static_k",
+    "static_v",
+]
+
+
+@MaskedMode.rule(F.multi_head_attention_forward)
+def _mha(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> tuple:
+    """``nn.MultiheadAttention``: its ``forward`` calls this with tokens first, ``(L, N, E)``
+    or unbatched ``(L, E)`` (``batch_first`` is a transpose around it; the fast path
+    ``torch._native_multi_head_attention`` is never taken under a torch-function mode).
+    Padded keys join the key-padding mask, so they get weight 0; the rows of padded queries
+    are re-zeroed in the output and in the attention weights."""
+    b = bind_call(func, args, kwargs)
+    if b is None:
+        raise mode.unsupported(func, "a call that does not match its signature")
+    q, k, v = b["query"], b["key"], b["value"]
+    if any(mode.region(b[n]) is not None for n in _MHA_TENSORS):
+        raise mode.unsupported(func, "a padded tensor as projection weight or static key/value")
+    rq, rk = _attention_regions(mode, func, q, k, v, tokens_first=True)
+    if rk is not None and (b["static_k"] is not None or b["static_v"] is not None):
+        raise mode.unsupported(
+            func, "static_k/static_v with padded keys (they replace the keys that are padded)"
+        )
+    sizes = (q.shape[0], k.shape[0])
+    b["attn_mask"] = _user_attn_mask(mode, func, b["attn_mask"], rq, rk, sizes, blocked=True)
+    if rk is not None:
+        b["key_padding_mask"] = _key_padding_mask(mode, func, b, rk)
+    out, weights = func(**b)
+    out = mode.rezero(out, rq)
+    if weights is None or (rq is None and rk is None):
+        return out, weights
+    return out, mode.rezero(weights, _weights_region(rq, rk, weights, k.shape[0]))
+
+
+def _key_padding_mask(mode: MaskedMode, func: Any, b: dict, rk: Region) -> Tensor:
+    """``multi_head_attention_forward``'s ``key_padding_mask`` (True or ``-inf``: ignored),
+    ``(N, S)`` or ``(S,)``, with the padded keys added to the user's mask (a float one if the
+    ``attn_mask`` is float, as PyTorch wants both of one type)."""
+    k, user, am = b["key"], b["key_padding_mask"], b["attn_mask"]
+    ignore = ~mode.row(rk.table)  # (S,)
+    if k.dim() == 3:
+        ignore = ignore.expand(k.shape[1], -1).contiguous()  # (N, S)
+    if user is None:
+        if am is not None and am.is_floating_point():
+            zeros = torch.zeros(ignore.shape, dtype=b["query"].dtype, device=ignore.device)
+            return zeros.masked_fill(ignore, -math.inf)
+        return ignore
+    ru = mode.region(user)
+    if ru is not None:
+        if set(ru.touched) != {user.dim() - 1} or not torch.equal(ru.table, rk.table):
+            raise mode.unsupported(func, "a key_padding_mask whose padding differs from the key's")
+    elif rk.ordered and user.shape[-1] > 1:
+        raise mode.unsupported(
+            func,
+            "an unpadded key_padding_mask over flattened padded keys (its positions differ "
+            "from the unpadded model's)",
+        )
+    if user.dtype == torch.bool:
+        return user | ignore
+    return user.masked_fill(ignore, -math.inf)
+
+
+def _weights_region(rq: Region | None, rk: Region | None, w: Tensor, size_k: int) -> Region:
+    """The attention weights' ``(..., L, S')`` region: real where query and key are real. The
+    ``S' - S`` extra keys (``bias_k``, ``add_zero_attn``) are real and sit after the padded
+    keys, so only the order of the real keys then matches the unpadded weights'."""
+    size_q, size_w = w.shape[-2:]
+    extra = size_w - size_k
+    table = _pair_table(rq, rk, size_q, size_k)
+    n = table.shape[0]
+    table = torch.cat([table, table.new_ones(n, size_q, extra)], dim=2)
+    dims = (w.dim() - 2, w.dim() - 1)
+    q_box = rq is None or rq.sizes is not None
+    k_box = rk is None or (rk.sizes is not None and extra == 0)
+    if not (q_box and k_box):
+        group = tuple(d for d, box in zip(dims, (q_box, k_box)) if not box)
+        return Region(dims, table, None, group)
+    full = torch.tensor([[size_q, size_k]], device=table.device).expand(n, 2)
+    qs = full[:, :1] if rq is None else rq.sizes
+    ks = full[:, 1:] if rk is None else rk.sizes
+    return Region(dims, table, torch.cat([qs, ks], dim=1))
+
+
+@MaskedMode.rule(torch.Tensor.masked_fill_)
+def _masked_fill_(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """In place, as ``masked_fill``; ``nn.MultiheadAttention`` turns a bool ``key_padding_mask``
+    into a float one with it."""
+    return _elementwise(mode, func, args, kwargs)
 
 
 # ---------------------------------------------------------------------- catalogue

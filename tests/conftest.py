@@ -81,3 +81,14 @@ def smallest_budget(call) -> int:
     with pytest.raises(ValueError, match="below the estimated minimum") as err:
         call(1)
     return int(re.search(r"estimated minimum of (\d+) bytes", str(err.value)).group(1))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_routes(monkeypatch):
+    """Route choices in tests follow the cost model alone: the timed small-job rule is off (its
+    own tests switch it on), so that a test's expected route does not depend on machine load;
+    every test starts with an empty plan cache."""
+    import multiscale_jac.engine
+
+    multiscale_jac.engine.clear_plan_cache()
+    monkeypatch.setattr(multiscale_jac.engine, "SMALL_JOB_S", 0.0)

@@ -1,0 +1,131 @@
+"""The engine's plan cache: a second call with the same shapes pays no measuring pass, survey
+or probe and gives the same result; the cache is bounded, weakly keyed, clearable."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from cases import DTYPE
+from conftest import CASE_BY_ID
+
+import multiscale_jac as mj
+from multiscale_jac.models import ConvBlock
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    mj.clear_plan_cache()
+    yield
+    mj.clear_plan_cache()
+
+
+def _counts() -> tuple[int, int, int]:
+    info = mj.plan_cache_info()
+    return info.measured, info.surveyed, info.probed
+
+
+@pytest.mark.parametrize(
+    "strategy, mode", [("auto", "auto"), ("padded", "rev"), ("bucketed", "fwd")]
+)
+def test_second_call_pays_no_planning(strategy: str, mode: str) -> None:
+    case = CASE_BY_ID["fpn_scale_ragged"]
+    model = case.build()
+    subset = mj.ParamSubset.from_flat_indices(model, [40, 3, 77, 12, 5])
+    kwargs = dict(params=subset, output_fn=case.output_fn, strategy=strategy, mode=mode)
+    first = mj.per_sample_jacobian(model, case.inputs(), **kwargs)
+    before = _counts()
+    assert before[0] > 0  # the first call measured
+    second = mj.per_sample_jacobian(model, case.inputs(), **kwargs)
+    assert _counts() == before  # no measuring pass, survey or probe
+    assert "plan: cached (the same shapes ran before)" in second.notes
+    assert mj.plan_cache_info().hits == 1
+    torch.testing.assert_close(second.jacobian, first.jacobian, atol=0, rtol=0)
+    assert (second.strategy, second.mode, second.structured) == (
+        first.strategy,
+        first.mode,
+        first.structured,
+    )
+
+
+def test_the_key_is_shapes_not_values() -> None:
+    torch.manual_seed(0)
+    model = ConvBlock(3, 8).to(DTYPE).eval()
+    x = [torch.randn(2, 3, 9, 9, dtype=DTYPE), torch.randn(2, 3, 8, 8, dtype=DTYPE)]
+    mj.per_sample_jacobian(model, x, params="conv.2.*")
+    with torch.no_grad():
+        model.conv[2].weight.mul_(2.0)  # new values, same structure: a hit, the new values used
+    res = mj.per_sample_jacobian(model, [t * 3 for t in x], params="conv.2.*")
+    ref = mj.reference.per_sample_jacobian_loop(model, [t * 3 for t in x], params="conv.2.*")
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+    assert mj.plan_cache_info().hits == 1
+    misses = mj.plan_cache_info().misses
+    mj.per_sample_jacobian(model, [t[:1] for t in x], params="conv.2.*")  # other shapes
+    mj.per_sample_jacobian(model, x, params="conv.0.*")  # another subset
+    mj.per_sample_jacobian(model, x, params="conv.2.*", output_fn=lambda y: y.sum(1))
+    mj.per_sample_jacobian(model, x, params="conv.2.*", mode="rev")  # other options
+    model.train()  # other flags (BatchNorm-free: allowed)
+    mj.per_sample_jacobian(model, x, params="conv.2.*")
+    assert mj.plan_cache_info().misses == misses + 5
+
+
+def test_the_cache_never_keeps_a_model_alive_and_is_bounded() -> None:
+    model = ConvBlock(3, 8).to(DTYPE).eval()
+    x = [torch.randn(2, 3, 9, 9, dtype=DTYPE)]
+    mj.per_sample_jacobian(model, x, params="conv.2.*")
+    assert mj.plan_cache_info().size == 1
+    del model
+    gc.collect()
+    assert mj.plan_cache_info().size == 0
+    cache = mj.engine.PLAN_CACHE if hasattr(mj.engine, "PLAN_CACHE") else None
+    assert cache is not None
+    maxsize, cache.maxsize = cache.maxsize, 3
+    try:
+        model = ConvBlock(3, 8).to(DTYPE).eval()
+        for size in (9, 10, 11, 12, 13):
+            mj.per_sample_jacobian(model, [torch.randn(1, 3, size, size, dtype=DTYPE)])
+        assert mj.plan_cache_info().size == 3
+    finally:
+        cache.maxsize = maxsize
+    mj.clear_plan_cache()
+    assert mj.plan_cache_info() == (0, 0, 0, maxsize, 0, 0, 0)
+
+
+def test_a_small_job_runs_its_cheapest_plan(monkeypatch) -> None:
+    """Under tune='auto' a job whose loop would be quick skips the survey, the padded plan and
+    the probes (planning would cost more than it saves); tune='estimate' plans in full."""
+    import multiscale_jac.engine as engine
+
+    monkeypatch.setattr(engine, "SMALL_JOB_S", 60.0)  # every job here is small
+    case = CASE_BY_ID["bn_cnn_multicrop"]
+    model = case.build()
+    res = mj.per_sample_jacobian(model, case.inputs(), params="features.*")
+    assert res.strategy == "bucketed" and mj.plan_cache_info().surveyed == 0
+    assert any(n.startswith("auto: a small job") for n in res.notes)
+    ref = mj.reference.per_sample_jacobian_loop(model, case.inputs(), params="features.*")
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+    mj.clear_plan_cache()
+    full = mj.per_sample_jacobian(model, case.inputs(), params="features.*", tune="estimate")
+    assert not any(n.startswith("auto: a small job") for n in full.notes)
+
+
+def test_tune_measure_times_the_shortlist() -> None:
+    case = CASE_BY_ID["fpn_scale_ragged"]
+    model = case.build()
+    res = mj.per_sample_jacobian(
+        model, case.inputs(), params="head.*", output_fn=case.output_fn, tune="measure"
+    )
+    tuned = [n for n in res.notes if n.startswith("tune: timed on")]
+    assert tuned and "; chose " in tuned[0]
+    assert mj.plan_cache_info().probed >= 2
+    ref = mj.reference.per_sample_jacobian_loop(
+        model, case.inputs(), params="head.*", output_fn=case.output_fn
+    )
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+    probed = mj.plan_cache_info().probed
+    again = mj.per_sample_jacobian(
+        model, case.inputs(), params="head.*", output_fn=case.output_fn, tune="measure"
+    )
+    assert mj.plan_cache_info().probed == probed  # cached: no second probe
+    torch.testing.assert_close(again.jacobian, res.jacobian, atol=0, rtol=0)
