@@ -19,6 +19,7 @@ gradient (a custom autograd function: nothing of the forward is kept but the inp
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,8 @@ __all__ = ["jacobian_sq_norm", "jacobian_sq_norm_backward"]
 _LAYERWISE_BYTES = 16 * 2**20
 #: samples per vectorised call of the ``hvp`` and ``vmap`` routes by default
 _HVP_CHUNK = 16
+#: per-sample gradients a ``vmap`` / ``hvp`` chunk keeps, at most (its default chunk size)
+_VMAP_BYTES = 256 * 2**20
 #: ``tune="auto"`` probes only when the job is at least this many times the probing
 PROBE_SHARE = 10
 
@@ -286,7 +289,8 @@ class _Job:
         self.mask = {n: t.to(named[n].device) for n, t in self.subset.embed(ones).items()}
         #: outputs per sample of every bucket, keyed by its first sample
         self.outputs = {b.indices[0]: self._outputs(b.indices[:1]) for b in self.packed.buckets()}
-        self.chunk = self._chunk(chunk_size, memory_budget, dtype)
+        self._sizing = (chunk_size, memory_budget, dtype)
+        self._chunk_of: dict[JacNormMethod, int] = {}
         self.probes = None
         if estimator is Estimator.HUTCHINSON:
             self.probes = self._probes(num_probes or 8, generator, dtype)
@@ -296,12 +300,13 @@ class _Job:
             cuda = torch.cuda.get_rng_state(self.fn.device) if self.devices else None
             self.rng_state = (torch.get_rng_state(), cuda)
         self.tune(tune)
+        self.chunk_for(self.method)  # a budget too small for the route: raised here
 
     def _choose(
         self, prep: Prepared, method: JacNormMethod
     ) -> tuple[JacNormMethod, LayerwisePlan | None]:
-        """The method to run (``auto``: the default of :meth:`_candidates`, tuned later by
-        :meth:`tune`) and the layer-wise plan where there is one."""
+        """The method to run (``auto``: ``vmap``, tuned later by :meth:`tune`) and the
+        layer-wise plan where there is one."""
         random = self.randomness is not Randomness.ERROR
         if method is JacNormMethod.HVP and random:
             raise ValueError(
@@ -324,7 +329,7 @@ class _Job:
                 plan = None
         if method is not JacNormMethod.AUTO:
             return method, plan
-        return (JacNormMethod.LAYERWISE if plan is not None else JacNormMethod.VMAP), plan
+        return JacNormMethod.VMAP, plan
 
     def candidates(self) -> list[JacNormMethod]:
         """The methods ``auto`` may run here."""
@@ -346,48 +351,61 @@ class _Job:
             self.notes.append(f"cached choice: {cached.value!r} (the same shapes ran before)")
             return
         methods = self.candidates()
-        buckets = sorted(self.packed.buckets(), key=lambda b: -len(b.indices))[:2]
-        probe = [(b.indices[0], b.indices[:2]) for b in buckets]
-        probed = sum(len(idx) for _, idx in probe)
-        worth = len(self.packed) >= PROBE_SHARE * 2 * len(methods) * probed
-        if tune is Tune.ESTIMATE or (tune is Tune.AUTO and not worth) or len(methods) < 2:
+        largest = max(self.packed.buckets(), key=lambda b: len(b.indices))
+        probes = {}
+        for m in methods:
+            with contextlib.suppress(MemoryBudgetError):  # a method over budget: no candidate
+                probes[m] = largest.indices[: self.chunk_for(m)]
+        probed = sum(2 * len(idx) for idx in probes.values())  # a warm-up and a timed run
+        worth = len(self.packed) >= PROBE_SHARE * probed
+        if tune is Tune.ESTIMATE or (tune is Tune.AUTO and not worth) or len(probes) < 2:
             return
         times = {}
-        for method in methods:
+        for method, idx in probes.items():
             COUNTS["probe"] += 1
+            chunk = [(largest.indices[0], idx)]
             try:
                 with torch.random.fork_rng(devices=self.devices):
-                    self._route(method)(True, probe)  # warm-up
+                    self._route(method)(True, chunk)  # warm-up
                     start = time.perf_counter()
-                    self._route(method)(True, probe)
-                    times[method] = (time.perf_counter() - start) / probed
+                    self._route(method)(True, chunk)
+                    times[method] = (time.perf_counter() - start) / len(idx)
             except (RuntimeError, NotLayerwiseError):
                 continue
         if times:
             self.method = min(times, key=times.__getitem__)
             PLAN_CACHE.put(self.fn.model, self.key, self.method)
             self.notes.append(
-                f"tune: timed on {probed} samples: "
+                "tune: timed one chunk of each method: "
                 + ", ".join(f"{m.value} {s * 1e3:.1f} ms" for m, s in times.items())
                 + f" per sample; chose {self.method.value!r}"
             )
 
-    def _chunk(self, chunk_size: int | None, budget: int | None, dtype: torch.dtype) -> int:
+    def chunk_for(self, method: JacNormMethod) -> int:
+        """Samples per chunk of ``method`` (worked out once per method)."""
+        if method not in self._chunk_of:
+            self._chunk_of[method] = self._chunk(method, *self._sizing)
+        return self._chunk_of[method]
+
+    def _chunk(
+        self, method: JacNormMethod, chunk_size: int | None, budget: int | None, dtype: torch.dtype
+    ) -> int:
         """Samples per chunk: ``chunk_size``, else what ``memory_budget`` allows (checked
         against one sample's measured working set), else the route's default."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel = sum(p.numel() for p in self.trainable.values())
         rows = max(self.outputs.values())
-        if self.method is JacNormMethod.LAYERWISE:
+        if method is JacNormMethod.LAYERWISE:
             default = max(1, _LAYERWISE_BYTES // (4 * max(1, self.subset.numel)))
-        else:
-            default = _HVP_CHUNK
+        else:  # per-sample gradients of every row under _VMAP_BYTES, at most _HVP_CHUNK
+            per_sample = rows * self.subset.numel * itemsize
+            default = min(_HVP_CHUNK, max(1, _VMAP_BYTES // max(1, per_sample)))
         if budget is None:
             return chunk_size or default
         kept = 2 * numel * itemsize  # the gradient and its chunk's part
         levels = tuple(self.packed.sample(self.packed.largest_sample))
         activations = measure(self.fn, self.fn.values(), levels).activations
-        if self.method is JacNormMethod.LAYERWISE:
+        if method is JacNormMethod.LAYERWISE:
             one = 3 * activations + 2 * self.subset.numel * itemsize
         else:
             one = rows * (activations + 2 * numel * itemsize)
@@ -396,7 +414,7 @@ class _Job:
                 budget,
                 kept + one,
                 f"the gradient of {numel} parameters takes {kept} bytes and one sample's "
-                f"{self.method.value} pass about {one}",
+                f"{method.value} pass about {one}",
             )
         return chunk_size or max(1, (budget - kept) // one)
 
@@ -433,10 +451,11 @@ class _Job:
 
     def _chunks(self) -> list[tuple[int, list[int]]]:
         """``(first sample of the bucket, chunk's samples)`` for every chunk."""
+        chunk = self.chunk_for(self.method)
         return [
-            (b.indices[0], b.indices[s : s + self.chunk])
+            (b.indices[0], b.indices[s : s + chunk])
             for b in self.packed.buckets()
-            for s in range(0, len(b.indices), self.chunk)
+            for s in range(0, len(b.indices), chunk)
         ]
 
     def run(self, *, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
@@ -541,20 +560,34 @@ class _Job:
     def _run_vmap(
         self, with_grad: bool, chunks: list[tuple[int, list[int]]] | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Per chunk: the per-sample gradients of every output row (or probe) by
-        ``vmap(grad)``, the chunk's ``S`` and its gradient by one more reverse pass."""
-        fn, mask = self.fn, self.mask
-        base = fn.params
+        """Per chunk: the per-sample gradients of every output row (or probe) w.r.t. the
+        subset's tensors by ``vmap(grad)``, the chunk's ``S`` and its gradient w.r.t. every
+        parameter by one more reverse pass."""
+        fn, base = self.fn, self.fn.params
+        # entries outside the subset are masked; a wholly selected tensor needs no mask
+        mask = {n: None if bool(m.all()) else m for n, m in self.mask.items()}
         value = next(iter(base.values())).new_zeros(())
         grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
 
-        def out_dot(p: dict[str, Tensor], u: Tensor, levels: tuple[Tensor, ...]) -> Tensor:
-            return (fn.call(p, levels) * u).sum()
+        def out_dot(sub: dict[str, Tensor], rest: dict[str, Tensor], u: Tensor, lv: Any) -> Tensor:
+            return (fn.call({**rest, **sub}, lv) * u).sum()
+
+        def sq(g: dict[str, Tensor]) -> Tensor:
+            return sum(((g[n] if m is None else g[n] * m) ** 2).sum() for n, m in mask.items())
+
+        rows_rng = "error" if self.randomness is Randomness.ERROR else "same"
 
         def chunk_s(p: dict[str, Tensor], us: Tensor, levels: list[Tensor]) -> Tensor:
+            sub = {n: p[n] for n in mask}
+            rest = {n: t for n, t in p.items() if n not in mask}
+
             def per_sample(rows: Tensor, *lv: Tensor) -> Tensor:
-                g = vmap(lambda u: grad(out_dot)(p, u, lv))(rows)  # name -> (K, *shape)
-                return sum(((g[n] * mask[n]) ** 2).sum() for n in mask)
+                if rows.shape[0] == 1:  # one output row: no vmap over rows
+                    return sq(grad(out_dot)(sub, rest, rows[0], lv))
+                # the rows of one sample share its dropout masks
+                return sq(
+                    vmap(lambda u: grad(out_dot)(sub, rest, u, lv), randomness=rows_rng)(rows)
+                )
 
             scale = 1.0 if self.probes is None else 1.0 / us.shape[1]
             return vmap(per_sample, randomness=self.randomness.value)(us, *levels).sum() * scale

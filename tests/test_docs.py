@@ -63,6 +63,26 @@ def test_docs_page_blocks_run_and_print_what_they_say(page: str, capsys) -> None
             assert got == want, (k, want, got)
 
 
+def test_testing_page_runs_and_shows_what_it_prints(capsys) -> None:
+    """docs/testing.md: the python blocks run in order in one namespace (the Hypothesis
+    property test included); a block followed by "It prints:" and a text block prints exactly
+    that text, and a ``print(...)  # expected`` line prints the expected text."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    pattern = r"```python\n(.*?)```(?:\n\nIt prints:\n\n```text\n(.*?)```)?"
+    blocks = re.findall(pattern, text, flags=re.S)
+    assert len(blocks) >= 4 and sum(bool(shown) for _, shown in blocks) >= 2
+    namespace: dict = {"__name__": "__docs__"}
+    for k, (block, shown) in enumerate(blocks):
+        exec(compile(block, f"testing.md[block {k}]", "exec"), namespace)
+        printed = capsys.readouterr().out
+        if shown:
+            assert printed.strip() == shown.strip(), (k, printed)
+        claims = re.findall(r"^print\(.*\)\s+#\s*(.+)$", block, flags=re.M)
+        lines = [ln.strip() for ln in printed.splitlines() if ln.strip()]
+        for claim, line in zip(claims, lines):
+            assert line == claim.strip(), (k, claim, line)
+
+
 @pytest.mark.slow
 def test_subnet_laplace_example_writes_its_picture(tmp_path) -> None:
     pytest.importorskip("matplotlib")

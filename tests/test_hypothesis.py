@@ -9,6 +9,7 @@ from torch import nn
 
 import multiscale_jac as mj
 from multiscale_jac.reference import per_sample_jacobian_loop
+from multiscale_jac.testing import param_subsets, pyramids
 
 
 class RandomPyramid(nn.Module):
@@ -28,40 +29,28 @@ class RandomPyramid(nn.Module):
 
 @st.composite
 def problems(draw):
+    """A random pyramid model with its inputs (one shape per batch, or ragged samples), a
+    subset (whole tensors by name or glob, entries, mixtures) and an optional output_fn."""
     num_levels = draw(st.integers(1, 4))
-    n = draw(st.integers(1, 6))
     channels = [draw(st.integers(1, 3)) for _ in range(num_levels)]
     width = draw(st.integers(1, 3))
     stride = draw(st.sampled_from([1, 2]))
     seed = draw(st.integers(0, 2**16))
     torch.manual_seed(seed)
     model = RandomPyramid(channels, width, stride).double().eval()
-    uniform = draw(st.booleans())
-    sizes = st.tuples(st.integers(1, 5), st.integers(1, 5))
-    if uniform:
-        shapes = [draw(sizes) for _ in range(num_levels)]
-        inputs = [torch.randn(n, c, *s, dtype=torch.float64) for c, s in zip(channels, shapes)]
-    else:
-        inputs = [
-            [torch.randn(c, *draw(sizes), dtype=torch.float64) for c in channels] for _ in range(n)
-        ]
-    params = dict(model.named_parameters())
-    kind = draw(st.sampled_from(["all", "names", "elements"]))
-    if kind == "all":
-        subset = mj.ParamSubset.all(model)
-    elif kind == "names":
-        names = draw(st.lists(st.sampled_from(sorted(params)), min_size=1, max_size=3, unique=True))
-        subset = mj.ParamSubset.from_names(model, names)
-    else:
-        chosen = {}
-        for name in draw(
-            st.lists(st.sampled_from(sorted(params)), min_size=1, max_size=3, unique=True)
-        ):
-            k = params[name].numel()
-            chosen[name] = draw(
-                st.lists(st.integers(0, k - 1), min_size=1, max_size=min(k, 4), unique=True)
-            )
-        subset = mj.ParamSubset.from_indices(model, chosen)
+    # level sizes 1..5 (the finest level) and its floor/ceil over the level strides
+    strides = draw(st.lists(st.sampled_from([1, 2, 3]), min_size=num_levels, max_size=num_levels))
+    inputs = draw(
+        pyramids(
+            channels=channels,
+            strides=strides,
+            min_size=1,
+            max_size=5,
+            batch_size=(1, 6),
+            ragged=draw(st.booleans()),
+        )
+    )
+    subset = draw(param_subsets(model, max_entries=8, max_tensors=3))
     output_fn = draw(st.sampled_from([None, "sum"]))
     fn = (lambda y: y.sum(dim=1, keepdim=True)) if output_fn == "sum" else None
     return model, inputs, subset, fn

@@ -42,7 +42,7 @@ def double_backward(model, case, subset) -> dict[str, torch.Tensor]:
     return ref
 
 
-@pytest.mark.parametrize("method", ["layerwise", "hvp"])
+@pytest.mark.parametrize("method", ["layerwise", "vmap", "hvp"])
 @pytest.mark.parametrize("case_id", CASE_IDS)
 def test_value_and_gradient_match_the_loop(case_id: str, method: str) -> None:
     case = CASE_BY_ID[case_id]
@@ -165,7 +165,17 @@ def test_hutchinson_is_unbiased_and_consistent() -> None:
     model.zero_grad(set_to_none=True)
 
 
-def test_layerwise_fallback_warns() -> None:
+def test_layerwise_fallback_warns(monkeypatch) -> None:
+    """``auto`` that chose ``layerwise`` (forced here; normally by timing) and met a model whose
+    batched run mixes samples falls back to ``vmap``, warns, and ``strict=True`` raises."""
+    from multiscale_jac import jacnorm
+    from multiscale_jac.enums import JacNormMethod
+
+    def tune(self, tune) -> None:
+        if self.plan is not None:
+            self.method = JacNormMethod.LAYERWISE
+
+    monkeypatch.setattr(jacnorm._Job, "tune", tune)
     torch.manual_seed(0)
     lin = torch.nn.Linear(3, 2).to(DTYPE)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import multiscale_jac as mj
 from multiscale_jac.fisher import diag_fisher
+from multiscale_jac.testing import images
 
 TOL = 1e-10
 
@@ -236,7 +237,19 @@ def conv_configs(draw):
     stride = 1 if padding == "same" else draw(st.integers(1, 2))
     if padding == "same" and dilation * (k - 1) % 2:
         padding = 0
-    size = draw(st.integers(dilation * (k - 1) + 1, 6))
+    conv1d = draw(st.booleans())
+    # a batch of 1, 2, 3 or 5 inputs, every side at least the kernel's reach, at most 6
+    x = draw(
+        images(
+            channels=cin,
+            min_size=dilation * (k - 1) + 1,
+            max_size=6,
+            batch_size=draw(st.sampled_from([1, 2, 3, 5])),
+            ragged=False,
+            spatial_dims=1 if conv1d else 2,
+            dtype=DTYPE,
+        )
+    )
     return {
         "conv": dict(
             in_channels=cin,
@@ -248,9 +261,8 @@ def conv_configs(draw):
             groups=groups,
             bias=draw(st.booleans()),
         ),
-        "conv1d": draw(st.booleans()),
-        "size": size,
-        "n": draw(st.sampled_from([1, 2, 3, 5])),
+        "conv1d": conv1d,
+        "x": x,
         "shared": draw(st.booleans()),  # one conv applied to two inputs (a shared head)
         "budget": draw(st.sampled_from([None, 1, 2])),  # times the smallest budget
     }
@@ -276,10 +288,9 @@ class ConvStack(nn.Module):
 def test_conv_configs_match_loop(cfg) -> None:
     torch.manual_seed(0)
     model = ConvStack(cfg).to(DTYPE)
-    shape = (cfg["conv"]["in_channels"],) + ((cfg["size"],) if cfg["conv1d"] else (cfg["size"], 5))
-    x = torch.randn(cfg["n"], *shape, dtype=DTYPE)
+    x = cfg["x"]
     model(x)  # materialise the lazy layer
-    y = torch.randint(2, (cfg["n"],))
+    y = torch.randint(2, (x.shape[0],))
     subset = mj.ParamSubset.all(model)
     ref = _loop_on_tensor(model, x, y, subset)
 

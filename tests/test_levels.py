@@ -18,6 +18,7 @@ import multiscale_jac as mj
 from multiscale_jac.levels import AUTO_PACKING, LevelOutputs, map_levels
 from multiscale_jac.models import SharedHeadFPN
 from multiscale_jac.reference import per_sample_jacobian_loop
+from multiscale_jac.testing import pyramids
 
 D = torch.float64
 EXAMPLES = examples(ci=200, dev=30)
@@ -112,18 +113,29 @@ def test_canvas_equals_loop(head: str) -> None:
     assert out.packing == "canvas" and out.reason is None
 
 
+@st.composite
+def level_lists(draw) -> list[torch.Tensor]:
+    """2-5 batched levels ``(1-3, 2, H, W)``: the finest 1-9 per side, the others its floor or
+    ceiling over strides 1-4 in any order (so a later level may be the larger); values
+    ``2 z + 0.5`` as in :func:`_levels`."""
+    num_levels = draw(st.integers(2, 5))
+    strides = draw(st.lists(st.integers(1, 4), min_size=num_levels, max_size=num_levels))
+    levels = draw(
+        pyramids(channels=2, strides=strides, max_size=9, batch_size=(1, 3), ragged=False, dtype=D)
+    )
+    return [x * 2 + 0.5 for x in levels]
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(
     body=st.lists(layers(2), min_size=1, max_size=4),
-    sizes=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=2, max_size=5),
-    batch=st.integers(1, 3),
+    levels=level_lists(),
     gutter=st.none() | st.integers(0, 4),
 )
-def test_random_heads_canvas_equals_loop(body, sizes, batch, gutter) -> None:
+def test_random_heads_canvas_equals_loop(body, levels, gutter) -> None:
     """Every layer kind of the padded rule set; the canvas either matches the loop exactly or
     falls back to the loop (a gutter too narrow, a level too small for a kernel)."""
     module = nn.Sequential(*body).to(D).eval()
-    levels = _levels(sizes, channels=2, batch=batch)
     try:
         expected = [module(x) for x in levels]
     except (RuntimeError, ValueError):  # the plain loop fails on some level: so must we

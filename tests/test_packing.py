@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import multiscale_jac as mj
+from multiscale_jac.testing import pyramids
 
 
 def _assert_same_structure(a, b) -> None:
@@ -23,20 +24,20 @@ def _assert_same_structure(a, b) -> None:
 
 @st.composite
 def ragged_batches(draw):
-    n = draw(st.integers(1, 6))
+    """1-6 samples of 1-4 levels, each level of 1-3 channels and 0-3 spatial dims (sizes 1-5),
+    drawn per sample by ``multiscale_jac.testing.pyramids``."""
     num_levels = draw(st.integers(1, 4))
-    spatial = [draw(st.integers(0, 3)) for _ in range(num_levels)]
-    channels = [draw(st.integers(1, 3)) for _ in range(num_levels)]
-    seed = draw(st.integers(0, 2**16))
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for _ in range(n):
-        sample = []
-        for c, s in zip(channels, spatial):
-            size = [draw(st.integers(1, 5)) for _ in range(s)]
-            sample.append(torch.randn(c, *size, generator=g, dtype=torch.float64))
-        samples.append(sample)
-    return samples
+    per_level = {"min_size": num_levels, "max_size": num_levels}
+    return draw(
+        pyramids(
+            channels=draw(st.lists(st.integers(1, 3), **per_level)),
+            strides=draw(st.lists(st.integers(1, 3), **per_level)),
+            spatial_dims=draw(st.lists(st.integers(0, 3), **per_level)),
+            min_size=1,
+            max_size=5,
+            batch_size=(1, 6),
+        )
+    )
 
 
 @given(samples=ragged_batches(), layout=st.sampled_from(["padded", "nested"]))

@@ -14,6 +14,7 @@ import multiscale_jac as mj
 from multiscale_jac.adapter import PerSampleFunction
 from multiscale_jac.masked import SUPPORTED_OPS, PaddedFunction, UnsupportedOpError
 from multiscale_jac.reference import per_sample_jacobian_loop
+from multiscale_jac.testing import param_subsets, pyramids
 
 D = torch.float64
 EXAMPLES = examples(ci=300, dev=40)
@@ -106,28 +107,15 @@ def stacks(draw):
     body = draw(st.lists(layers(width), min_size=1, max_size=4))
     head = draw(st.sampled_from(["dense", "gap", "max"]))
     model = StackNet(channels, width, body, head).to(D).eval()
-    n = draw(st.integers(1, 4))
-    size = st.tuples(st.integers(1, 6), st.integers(1, 6))
-    samples = [[torch.randn(c, *draw(size), dtype=D) for c in channels] for _ in range(n)]
+    strides = draw(st.lists(st.integers(1, 3), min_size=num_levels, max_size=num_levels))
+    samples = draw(
+        pyramids(channels=channels, strides=strides, max_size=6, batch_size=(1, 4), dtype=D)
+    )
     return model, samples
 
 
 def _subset(model: nn.Module, data) -> mj.ParamSubset:
-    params = dict(model.named_parameters())
-    names = data.draw(
-        st.lists(st.sampled_from(sorted(params)), min_size=1, max_size=3, unique=True)
-    )
-    if data.draw(st.booleans()):
-        return mj.ParamSubset.from_names(model, names)
-    return mj.ParamSubset.from_indices(
-        model,
-        {
-            n: data.draw(
-                st.lists(st.integers(0, params[n].numel() - 1), min_size=1, max_size=3, unique=True)
-            )
-            for n in names
-        },
-    )
+    return data.draw(param_subsets(model, kinds=("tensors", "indices"), max_entries=9))
 
 
 def padded_outputs_match(model: nn.Module, samples) -> bool:
