@@ -11,7 +11,9 @@ Layers (each its own module; data flows one way):
 6. derived   -- :func:`diag_fisher` (diagonal Fisher / GGN over data),
                 :func:`jacobian_sq_norm` (the Jacobian-norm regulariser and its exact gradient),
                 both on the per-layer closed forms of :mod:`~multiscale_jac.layerwise`;
-                :class:`SubnetLaplace` (subset GGN, marginal likelihood, GLM predictive)
+                :class:`SubnetLaplace` (subset GGN, marginal likelihood, GLM predictive),
+                :class:`DiagLaplace` (diagonal GGN over every weight) and laplace-torch's
+                front door :func:`Laplace`
 7. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
 """
 
@@ -26,6 +28,7 @@ from .enums import (
     FisherKind,
     FisherMethod,
     HessianKind,
+    HessianStructure,
     InputKind,
     JacNormMethod,
     Layout,
@@ -33,15 +36,18 @@ from .enums import (
     LinkApprox,
     MemoryBudgetError,
     Mode,
+    PredType,
     PriorStructure,
     Randomness,
     Strategy,
+    SubsetOfWeights,
     Tune,
+    TuningMethod,
     UnsupportedOpError,
 )
 from .fisher import DiagFisherResult, diag_fisher
 from .jacnorm import jacobian_sq_norm, jacobian_sq_norm_backward
-from .laplace import GLMPredictive, SubnetLaplace
+from .laplace import DiagLaplace, GLMPredictive, Laplace, SubnetLaplace
 from .levels import LevelOutputs, map_levels
 from .packing import Bucket, PackedBatch, Signature, pack
 from .result import JacobianResult
@@ -80,12 +86,18 @@ __all__ = [
     "diag_fisher",
     "jacobian_sq_norm",
     "jacobian_sq_norm_backward",
-    # subnetwork Laplace
+    # subnetwork and diagonal Laplace
+    "DiagLaplace",
     "GLMPredictive",
     "HessianKind",
+    "HessianStructure",
+    "Laplace",
     "LinkApprox",
+    "PredType",
     "PriorStructure",
     "SubnetLaplace",
+    "SubsetOfWeights",
+    "TuningMethod",
     "largest_variance",
     # reference
     "reference",

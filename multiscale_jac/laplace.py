@@ -23,14 +23,21 @@ carry ``1/sigma^2`` each). Conventions follow laplace-torch (Immer et al. 2021, 
 Only a chunk of Jacobian rows is ever held (``memory_budget``): never ``N x O x P`` and never
 the model's full Jacobian. Padded positions of ragged multi-level batches do not exist in the
 per-sample outputs (every sample runs unpadded through the engine), so they contribute nothing.
+
+:class:`DiagLaplace` keeps only the diagonal of ``H`` (``(P,)``, from
+:func:`~multiscale_jac.diag_fisher`'s closed forms), so it scales to every weight of a network.
+:func:`Laplace` is laplace-torch's front door: ``subset_of_weights`` and ``hessian_structure``
+choose the class, and both classes answer laplace-torch's calls (``la(x)``,
+``predictive_samples``, ``optimize_prior_precision(method=...)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -56,20 +63,28 @@ from .engine import run_engine
 from .enums import (
     BatchNormPolicy,
     Entries,
+    FisherMethod,
     HessianKind,
+    HessianStructure,
     InputKind,
     Likelihood,
     LinkApprox,
     MemoryBudgetError,
+    PredType,
     PriorStructure,
     Randomness,
+    SubsetOfWeights,
+    TuningMethod,
     parse_enum,
 )
+from .fisher import diag_fisher
 from .packing import PackedBatch
 from .subset import ParamSubset
 
 __all__ = [
+    "DiagLaplace",
     "GLMPredictive",
+    "Laplace",
     "SubnetLaplace",
 ]
 
@@ -149,6 +164,11 @@ class SubnetLaplace:
     The options shared with the other entry points mean the same everywhere (the options table
     in ``docs/design.md``); the subset is called ``subset`` here, as in laplace-torch.
 
+    laplace-torch's calls work too: ``la(x, pred_type=, link_approx=, n_samples=)`` (probabilities
+    or ``(f_mu, f_var)``), :meth:`predictive_samples`, ``fit(train_loader, override,
+    progress_bar)`` and ``optimize_prior_precision(method="marglik" | "gridsearch", ...)``;
+    :func:`Laplace` builds this class from laplace-torch's arguments.
+
     Raises:
         TypeError, ValueError: bad arguments (the message names the value).
     """
@@ -197,41 +217,51 @@ class SubnetLaplace:
         if self.likelihood is Likelihood.CLASSIFICATION and self.sigma_noise != 1.0:
             raise ValueError(f"sigma_noise must be 1 for classification; got {sigma_noise!r}")
         self.prior_mean = self._vector(prior_mean, "prior_mean", positive=False)
-        self._prior_precision = self._vector(prior_precision, "prior_precision", positive=True)
+        self._prior_precision = self._form(prior_precision, "prior_precision", positive=True)
         self.H: Tensor | None = None
         self.loss = 0.0
         self.n_data = 0
         self.n_outputs = 0
         self._chol: Tensor | None = None
         self._fallbacks: list[str] = []
+        self._memo: _BlockMemo | None = None
+
+    @property
+    def n_params(self) -> int:
+        """``P``, the number of entries the posterior is over."""
+        return self.subset.numel
 
     # ------------------------------------------------------------------ fitting
     def fit(
         self,
-        data: Iterable[tuple[Any, Any]],
+        train_loader: Iterable[tuple[Any, Any]],
+        override: bool = True,
+        progress_bar: bool = False,
         *,
         progress: bool = False,
-        override: bool = True,
         process_group: Any = None,
     ) -> SubnetLaplace:
         """Accumulate the subset curvature ``H`` (``(P, P)``) and the loss at the MAP.
 
         Args:
-            data: An iterable of ``(inputs, targets)`` (a DataLoader); ``inputs`` in any form
-                :func:`~multiscale_jac.pack` accepts, ``targets`` a tensor with a leading batch
-                dim or a list of per-sample tensors (ragged label maps).
-            progress: A tqdm bar over the batches when a terminal is attached.
+            train_loader: An iterable of ``(inputs, targets)`` (a DataLoader, a list of pairs);
+                ``inputs`` in any form :func:`~multiscale_jac.pack` accepts, ``targets`` a
+                tensor with a leading batch dim or a list of per-sample tensors (ragged label
+                maps).
             override: Start from zero (``False`` adds to a previous fit: online / continual
                 learning).
+            progress_bar: laplace-torch's name for ``progress``.
+            progress: A tqdm bar over the batches when a terminal is attached.
             process_group: With ``torch.distributed`` initialised, every rank fits its shard of
-                ``data`` and ``H``, the loss and the counts are all-reduced once at the end:
+                the data and ``H``, the loss and the counts are all-reduced once at the end:
                 every rank ends with the fit over all of the data (``None``: the default group).
 
         Returns:
             ``self``.
         """
-        progress = check_bool(progress, "progress")
+        progress = check_bool(progress, "progress") | check_bool(progress_bar, "progress_bar")
         override = check_bool(override, "override")
+        data = train_loader
         reducer = Reducer(process_group)
         p = self.subset.numel
         previous = None if override or self.H is None else self.H
@@ -240,7 +270,7 @@ class SubnetLaplace:
         self.H = self.mean.new_zeros(p, p)
         self.loss, self.n_outputs = 0.0, 0
         seen = 0
-        for batch in with_progress(reducer.shard(data), progress, "SubnetLaplace.fit"):
+        for batch in with_progress(reducer.shard(data), progress, f"{type(self).__name__}.fit"):
             inputs, targets = pair(batch)
             packed = self._prep.pack(inputs, finite=True)
             per_sample = [t.to(self.mean.device) for t in split_targets(targets, len(packed))]
@@ -302,14 +332,20 @@ class SubnetLaplace:
     # ------------------------------------------------------------------ posterior
     @property
     def prior_precision(self) -> Tensor:
-        """The prior precision as a ``(P,)`` diagonal. Assign any form the constructor takes;
-        the cached posterior factor is then recomputed."""
+        """The prior precision as given: ``(1,)`` (one value, as laplace-torch stores a scalar),
+        ``(K,)`` (one per selected tensor) or ``(P,)``. Assign a number, a tensor, a sequence
+        or ``{name: value}``; the cached posterior factor is then recomputed."""
         return self._prior_precision
 
     @prior_precision.setter
     def prior_precision(self, value: Any) -> None:
-        self._prior_precision = self._vector(value, "prior_precision", positive=True)
+        self._prior_precision = self._form(value, "prior_precision", positive=True)
         self._chol = None
+
+    @property
+    def prior_precision_diag(self) -> Tensor:
+        """The prior precision expanded to the ``(P,)`` diagonal ``p_0``."""
+        return self._expand(self._prior_precision)
 
     def _factor(self, sigma: Tensor | float) -> Tensor | float:
         """``1 / (sigma^s T)``: ``s = 4`` for a regression's empirical Fisher, else 2."""
@@ -349,6 +385,24 @@ class SubnetLaplace:
         """``diag(Sigma)`` ``(P,)``."""
         return self.posterior_covariance.diagonal()
 
+    def _posterior_logdet(self, prior: Tensor, sigma_noise: Any) -> Tensor:
+        """``log det P_post`` at a ``(P,)`` prior and a noise (differentiable in both)."""
+        chol = _cholesky(self.posterior_precision_matrix(prior, sigma_noise))
+        return 2 * chol.diagonal().log().sum()
+
+    def _whiten(self, jac: Tensor) -> Tensor:
+        """``V`` ``(P, rows)`` with ``V^T V = J Sigma J^T`` for Jacobian rows ``jac``."""
+        return torch.linalg.solve_triangular(self.posterior_scale, jac.T, upper=False)
+
+    def _draw(self, z: Tensor) -> Tensor:
+        """Standard normals ``z`` ``(P, S)`` -> draws ``(P, S)`` from ``N(0, Sigma)``."""
+        return torch.linalg.solve_triangular(self.posterior_scale.T, z, upper=True)
+
+    def _kept_bytes(self) -> int:
+        """Bytes of what the posterior keeps: the ``(P, P)`` curvature and its factor."""
+        p, s = self.subset.numel, self.mean.element_size()
+        return 2 * p * p * s + 4 * p * s
+
     def log_likelihood(self, sigma_noise: Any = None) -> Tensor:
         """``log p(D | theta_MAP)`` with the temperature applied (see the module docstring)."""
         self._fitted()
@@ -365,16 +419,18 @@ class SubnetLaplace:
         """The Laplace approximation of ``log p(D)``; differentiable in tensor arguments.
 
         Args:
-            prior_precision: Overrides the stored prior precision (any form the constructor
-                takes; a tensor that requires grad keeps the graph).
-            sigma_noise: Overrides the noise scale (regression only).
+            prior_precision: Evaluates at this prior precision instead of the stored one (any
+                form the constructor takes; a tensor that requires grad keeps the graph). The
+                stored value is not changed (laplace-torch stores it).
+            sigma_noise: Evaluates at this noise scale (regression only), likewise.
+
+        Returns:
+            A scalar tensor.
         """
         if sigma_noise is not None and self.likelihood is not Likelihood.REGRESSION:
             raise ValueError("sigma_noise can only be changed for regression")
         prior = self._prior(prior_precision)
-        post = self.posterior_precision_matrix(prior, sigma_noise)
-        chol = _cholesky(post)
-        logdet_post = 2 * chol.diagonal().log().sum()
+        logdet_post = self._posterior_logdet(prior, sigma_noise)
         logdet_prior = prior.log().sum()
         delta = self.mean - self.prior_mean
         scatter = (delta * prior) @ delta
@@ -382,56 +438,306 @@ class SubnetLaplace:
 
     def optimize_prior_precision(
         self,
-        method: str = "marglik",
+        method: str | TuningMethod = "marglik",
         *,
-        prior_structure: str | PriorStructure = "scalar",
+        pred_type: str | PredType = "glm",
         n_steps: int = 100,
         lr: float = 0.1,
-        init_prior_prec: float = 1.0,
-    ) -> Tensor:
-        """Maximise the log marginal likelihood over the prior precision (Adam on its log).
+        init_prior_prec: Any = 1.0,
+        prior_structure: str | PriorStructure = "scalar",
+        val_loader: Iterable[tuple[Any, Any]] | None = None,
+        loss: Any = None,
+        log_prior_prec_min: float = -4,
+        log_prior_prec_max: float = 4,
+        grid_size: int = 100,
+        link_approx: str | LinkApprox = "probit",
+        n_samples: int = 100,
+        verbose: bool = False,
+        progress_bar: bool = False,
+    ) -> None:
+        """Tune the prior precision, as laplace-torch does, and store it.
 
         Args:
-            method: ``marglik`` (the only one).
-            prior_structure: ``scalar`` or ``tensor`` (one precision per selected tensor).
-            n_steps: Adam steps.
-            lr: Adam learning rate.
-            init_prior_prec: Starting value.
+            method: ``marglik`` (Adam on the log prior precision, maximising the log marginal
+                likelihood) or ``gridsearch`` (the validation loss at ``grid_size`` values
+                ``logspace(log_prior_prec_min, log_prior_prec_max)``; the smallest wins).
+            pred_type: ``glm`` or ``nn``, the predictive the grid search scores.
+            n_steps: Adam steps (``marglik``).
+            lr: Adam learning rate (``marglik``).
+            init_prior_prec: Starting value (``marglik``): a number, or a tensor whose shape
+                then fixes the structure.
+            prior_structure: ``scalar`` (stored as a one-element tensor), ``layerwise`` (or
+                ``tensor``: one per selected tensor) or ``diag`` (``(P,)``), for a number
+                ``init_prior_prec`` (``marglik``; the grid search is scalar).
+            val_loader: ``(inputs, targets)`` batches for ``gridsearch`` (read once and kept
+                for the search; the Jacobians of the batches are reused across the grid while
+                they fit in ``memory_budget``, default 128 MiB).
+            loss: The grid search's loss: ``None`` (classification: the mean negative log
+                probability of the labels; regression: the mean squared error of ``f_mu``), a
+                callable ``loss(probs, targets)`` / ``loss(f_mu, f_var, targets)`` on the
+                concatenated predictions, or an object with ``update``/``compute`` (a
+                torchmetrics metric).
+            log_prior_prec_min: ``log10`` of the grid's smallest value.
+            log_prior_prec_max: ``log10`` of the grid's largest value.
+            grid_size: Number of grid values.
+            link_approx: ``probit``, ``mc`` or ``bridge`` for the grid search's probabilities.
+            n_samples: Samples for ``link_approx="mc"`` and ``pred_type="nn"``.
+            verbose: Print the result.
+            progress_bar: A tqdm bar over the steps or grid values when a terminal is attached.
 
         Returns:
-            The optimised precision (scalar or one per tensor); also stored.
+            ``None`` (as laplace-torch); the result is :attr:`prior_precision`.
+
+        Raises:
+            ValueError: an unknown ``method``/``pred_type``/``link_approx``/``prior_structure``,
+                ``gridsearch`` without ``val_loader``, not fitted.
         """
-        if method != "marglik":
-            raise ValueError(f"method must be 'marglik'; got {method!r}")
+        method = parse_enum(TuningMethod, method, "method")
+        pred = parse_enum(PredType, pred_type, "pred_type")
+        link = parse_enum(LinkApprox, link_approx, "link_approx")
         structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
-        n_steps = check_positive_int(n_steps, "n_steps")
-        lr = check_positive_number(lr, "lr")
-        init = check_positive_number(init_prior_prec, "init_prior_prec")
+        show = check_bool(progress_bar, "progress_bar")
         self._fitted()
-        k = 1 if structure is PriorStructure.SCALAR else len(self.subset.names)
-        log_prec = torch.full((k,), math.log(init), dtype=self.mean.dtype, device=self.mean.device)
-        log_prec.requires_grad_(True)
+        if method is TuningMethod.MARGLIK:
+            if val_loader is not None:
+                warnings.warn(
+                    "val_loader is ignored by method='marglik' (did you mean 'gridsearch'?)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            steps = check_positive_int(n_steps, "n_steps")
+            self._optimize_marglik(
+                structure, steps, check_positive_number(lr, "lr"), init_prior_prec, show
+            )
+        else:
+            if val_loader is None:
+                raise ValueError(
+                    "method='gridsearch' needs val_loader, an iterable of (inputs, targets)"
+                )
+            size = check_positive_int(grid_size, "grid_size")
+            grid = torch.logspace(
+                float(log_prior_prec_min), float(log_prior_prec_max), size, dtype=self.mean.dtype
+            )
+            n_samples = check_positive_int(n_samples, "n_samples")
+            self.prior_precision = self._gridsearch(
+                val_loader, loss, grid, (pred, link, n_samples), show
+            )
+        if check_bool(verbose, "verbose"):
+            print(f"Optimized prior precision is {self.prior_precision}.")
+
+    def _optimize_marglik(
+        self, structure: PriorStructure, n_steps: int, lr: float, init: Any, show: bool
+    ) -> None:
+        """Adam on ``log prior_precision`` of ``structure``'s shape (or ``init``'s, when it is a
+        tensor of more than one value); stores the result."""
+        start = self._form(init, "init_prior_prec", positive=True).detach()
+        if start.numel() == 1 and structure is not PriorStructure.SCALAR:
+            k = self.subset.numel if structure is PriorStructure.DIAG else len(self.subset.names)
+            start = start.expand(k).clone()
+        log_prec = start.log().clone().requires_grad_(True)
         opt = torch.optim.Adam([log_prec], lr=lr)
-        for _ in range(n_steps):
+        for _ in with_progress(range(n_steps), show, "optimize_prior_precision", n_steps):
             opt.zero_grad()
-            prec = log_prec.exp()
-            arg = prec[0] if structure is PriorStructure.SCALAR else prec
-            loss = -self.log_marginal_likelihood(prior_precision=arg)
+            loss = -self.log_marginal_likelihood(prior_precision=log_prec.exp())
             loss.backward()
             opt.step()
-        best = log_prec.detach().exp()
-        self.prior_precision = best[0] if structure is PriorStructure.SCALAR else best
-        return best[0] if structure is PriorStructure.SCALAR else best
+        self.prior_precision = log_prec.detach().exp()
+
+    def _gridsearch(
+        self,
+        val_loader: Iterable[tuple[Any, Any]],
+        loss: Any,
+        grid: Tensor,
+        how: tuple[PredType, LinkApprox, int],
+        show: bool,
+    ) -> Tensor:
+        """The grid value of the smallest validation loss (a non-positive-definite posterior
+        scores infinity)."""
+        batches = [pair(b) for b in val_loader]
+        if not batches:
+            raise ValueError("val_loader yielded no batches")
+        cap = self.memory_budget if self.memory_budget is not None else 4 * DEFAULT_JACOBIAN_BYTES
+        self._memo = _BlockMemo(cap)
+        results: list[float] = []
+        try:
+            for prec in with_progress(grid, show, "gridsearch", len(grid)):
+                self.prior_precision = prec.to(self.mean.dtype)
+                try:
+                    results.append(self._validate(batches, loss, *how))
+                except _NotPositiveDefinite:
+                    results.append(math.inf)
+        finally:
+            self._memo = None
+        return grid[min(range(len(results)), key=results.__getitem__)].to(self.mean.dtype)
+
+    def _validate(
+        self,
+        batches: list[tuple[Any, Any]],
+        loss: Any,
+        pred: PredType,
+        link: LinkApprox,
+        n_samples: int,
+    ) -> float:
+        """The validation loss of the predictive (laplace-torch's ``validate``)."""
+        metric = loss is not None and hasattr(loss, "update") and hasattr(loss, "compute")
+        if metric and hasattr(loss, "reset"):
+            loss.reset()
+        outs: list[Any] = []
+        targets: list[Any] = []
+        total, count = 0.0, 0
+        for x, y in batches:
+            out = self(x, pred_type=pred, link_approx=link, n_samples=n_samples)
+            if loss is None:
+                s, c = self._default_loss(out, y)
+                total, count = total + s, count + c
+            elif metric:
+                _update_metric(loss, out, y)
+            else:
+                outs.append(out)
+                targets.append(y)
+        if loss is None:
+            return total / max(count, 1)
+        if metric:
+            return float(loss.compute().sum())
+        if isinstance(outs[0], tuple):
+            means, variances = zip(*outs)
+            return float(loss(_cat(means), _cat(variances), _cat(targets)))
+        return float(loss(_cat(outs), _cat(targets)))
+
+    def _default_loss(self, out: Any, y: Any) -> tuple[float, int]:
+        """Sum and count of laplace-torch's default validation loss on one batch: the negative
+        log probability of each valid label (classification), the squared error of each output
+        entry (regression)."""
+        if self.likelihood is Likelihood.REGRESSION:
+            mean = out[0]
+            means = list(mean) if isinstance(mean, list) else list(mean.unbind(0))
+            ys = split_targets(y, len(means))
+            sq = [((m.reshape(-1) - t.to(m).reshape(-1)) ** 2).sum() for m, t in zip(means, ys)]
+            return float(sum(sq)), sum(m.numel() for m in means)
+        probs = list(out) if isinstance(out, list) else list(out.unbind(0))
+        ys = split_targets(y, len(probs))
+        total, count = 0.0, 0
+        for pr, t in zip(probs, ys):
+            flat = pr.reshape(pr.shape[0], -1)
+            lab = t.to(flat.device).reshape(-1).long()
+            keep = lab != self.ignore_index
+            picked = flat.gather(0, torch.where(keep, lab, 0).unsqueeze(0)).squeeze(0)
+            total -= float(picked[keep].log().sum())
+            count += int(keep.sum())
+        return total, count
 
     # ------------------------------------------------------------------ sampling / predictive
-    def sample(self, n: int, *, generator: torch.Generator | None = None) -> Tensor:
-        """``n`` draws ``(n, P)`` from the posterior over the subset."""
-        n = check_positive_int(n, "n")
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """``n_samples`` draws ``(n_samples, P)`` from the posterior over the selected entries
+        (laplace-torch's subnetwork Laplace returns every parameter, the rest at the MAP)."""
+        n = check_positive_int(n_samples, "n_samples")
         generator = check_generator(generator)
-        chol = self.posterior_scale
         z = torch.randn(n, self.subset.numel, generator=generator, dtype=self.mean.dtype)
-        eps = torch.linalg.solve_triangular(chol.T, z.to(chol.device).T, upper=True).T
-        return self.mean + eps
+        return self.mean + self._draw(z.to(self.mean.device).T).T
+
+    def __call__(
+        self,
+        x: Any,
+        pred_type: str | PredType = "glm",
+        joint: bool = False,
+        link_approx: str | LinkApprox = "probit",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | list[Tensor] | tuple[Any, Any]:
+        """laplace-torch's predictive at ``x`` (any form :func:`~multiscale_jac.pack` accepts).
+
+        Args:
+            x: The inputs.
+            pred_type: ``glm`` (linearised) or ``nn`` (the model run with posterior samples;
+                classification then needs ``link_approx="mc"``).
+            joint: Must be ``False`` (a covariance across samples is not formed).
+            link_approx: ``probit``, ``mc`` or ``bridge`` (classification).
+            n_samples: Samples for ``mc`` and ``nn``.
+            diagonal_output: Regression ``glm``: the marginal variances ``(N, O)`` instead of
+                the covariance.
+            generator: Seeds the sampling.
+
+        Returns:
+            Classification: probabilities ``(N, C)`` (dense logits: ``(N, C, *spatial)``, a
+            softmax per position; ragged outputs: a list of ``(C, *spatial_i)``). Regression:
+            ``(f_mu, f_var)`` with ``f_mu`` ``(N, O)`` and ``f_var`` ``(N, O, O)`` for vector
+            outputs; for dense outputs (or ``diagonal_output``, or a sample sliced under
+            ``memory_budget``) ``f_var`` holds the marginal variances shaped like ``f_mu``
+            (lists for ragged outputs). ``pred_type="nn"``: the sample mean and the (unbiased)
+            sample variance.
+        """
+        pred = parse_enum(PredType, pred_type, "pred_type")
+        link = parse_enum(LinkApprox, link_approx, "link_approx")
+        n_samples = check_positive_int(n_samples, "n_samples")
+        diagonal_output = check_bool(diagonal_output, "diagonal_output")
+        if check_bool(joint, "joint"):
+            raise ValueError(
+                "joint=True (one covariance across the samples of the batch) is not supported; "
+                "use functional_samples for joint draws"
+            )
+        cls = self.likelihood is Likelihood.CLASSIFICATION
+        if pred is PredType.NN:
+            if cls and link is not LinkApprox.MC:
+                raise ValueError(
+                    f"pred_type='nn' supports only link_approx='mc'; got {link.value!r}"
+                )
+            samples = self.functional_samples(x, n_samples, linearized=False, generator=generator)
+            if cls:
+                return _per_sample(samples, lambda s: _softmax(s).mean(0))
+            return _per_sample(samples, lambda s: s.mean(0)), _per_sample(
+                samples, lambda s: s.var(0)
+            )
+        generator = check_generator(generator)
+        covariance = not cls and not diagonal_output
+        out = self._predictive(x, link, n_samples, generator, covariance=covariance)
+        if cls:
+            return out.probs  # type: ignore[return-value]
+        if diagonal_output or out.covariance is None:
+            return out.mean, out.variance
+        return out.mean, out.covariance
+
+    def predictive_samples(
+        self,
+        x: Any,
+        pred_type: str | PredType = "glm",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | list[Tensor]:
+        """Samples of the predictive at ``x``: ``(n_samples, N, *out)`` (a list of
+        ``(n_samples, *out_i)`` for ragged outputs); class probabilities (a softmax over the
+        class dim) for classification, outputs for regression.
+
+        Args:
+            x: The inputs.
+            pred_type: ``glm`` (linearised, exact joint draws over each sample's outputs) or
+                ``nn`` (the model run with posterior samples).
+            n_samples: Number of samples.
+            diagonal_output: ``glm``: independent draws per output from the marginal variances.
+            generator: Seeds the draws.
+        """
+        pred = parse_enum(PredType, pred_type, "pred_type")
+        n_samples = check_positive_int(n_samples, "n_samples")
+        generator = check_generator(generator)
+        if pred is PredType.GLM and check_bool(diagonal_output, "diagonal_output"):
+            p = self.predictive(x, link_approx="probit")
+
+            def draw(m: Tensor, v: Tensor) -> Tensor:
+                z = torch.randn((n_samples, *m.shape), generator=generator, dtype=m.dtype)
+                return m + v.sqrt() * z.to(m.device)
+
+            if isinstance(p.mean, list):
+                samples: Tensor | list[Tensor] = [draw(m, v) for m, v in zip(p.mean, p.variance)]
+            else:
+                samples = draw(p.mean, p.variance)  # type: ignore[arg-type]
+        else:
+            samples = self.functional_samples(
+                x, n_samples, linearized=pred is PredType.GLM, generator=generator
+            )
+        if self.likelihood is Likelihood.CLASSIFICATION:
+            return _per_sample(samples, _softmax, batched=False)
+        return samples
 
     def predictive(
         self,
@@ -443,8 +749,8 @@ class SubnetLaplace:
     ) -> GLMPredictive:
         """The GLM predictive at ``inputs`` (any form :func:`~multiscale_jac.pack` accepts).
 
-        Marginal variances are ``||L^{-1} j_o||^2`` per output row ``j_o``, computed in chunks
-        of rows; dense outputs never form an ``O x O`` matrix.
+        Marginal variances are ``||V_o||^2`` per output row (``V = L^{-1} J^T``), computed in
+        chunks of rows; dense outputs never form an ``O x O`` matrix.
 
         Args:
             inputs: The batch.
@@ -455,7 +761,19 @@ class SubnetLaplace:
         link = parse_enum(LinkApprox, link_approx, "link_approx")
         n_samples = check_positive_int(n_samples, "n_samples")
         generator = check_generator(generator)
-        chol = self.posterior_scale
+        return self._predictive(inputs, link, n_samples, generator, covariance=True)
+
+    def _predictive(
+        self,
+        inputs: Any,
+        link: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
+        covariance: bool,
+    ) -> GLMPredictive:
+        """:meth:`predictive` on checked arguments; ``covariance=False`` skips the ``O x O``
+        covariances of vector outputs."""
+        self._fitted()
         packed = self._prep.pack(inputs)
         n = packed.num_samples
         means: list[list[Tensor]] = [[] for _ in range(n)]
@@ -464,36 +782,20 @@ class SubnetLaplace:
         probs: list[list[Tensor]] = [[] for _ in range(n)]
         shapes: list[torch.Size] = [torch.Size()] * n
         vector = True
-        for i, out, jac, _, shape in self._jacobians(packed):
+        cls = self.likelihood is Likelihood.CLASSIFICATION
+        for i, out, jac, _, shape in self._blocks(inputs, packed):
             shapes[i] = shape
-            v = torch.linalg.solve_triangular(chol, jac.T, upper=False)  # (P, rows)
+            v = self._whiten(jac)  # (P, rows)
             var = (v * v).sum(0)
             f = out.reshape(-1)
             means[i].append(f)
             variances[i].append(var)
-            is_vec = len(shapes[i]) <= 1
-            vector = vector and is_vec
-            if is_vec:
+            vector = vector and len(shape) <= 1 and covariance
+            if vector:
                 covs[i].append(v.T @ v)
-            if self.likelihood is Likelihood.CLASSIFICATION:
-                c = out.shape[0]
-                logits = f.view(c, -1)
-                if link is LinkApprox.PROBIT:
-                    kappa = torch.rsqrt(1 + math.pi / 8 * var.view(c, -1))
-                    pr = torch.softmax(kappa * logits, dim=0)
-                elif link is LinkApprox.BRIDGE:
-                    vc = v.view(-1, c, logits.shape[1])  # (P, C, m)
-                    cov = torch.einsum("pcm,pdm->mcd", vc, vc)
-                    pr = _bridge(logits.T, cov).T
-                else:
-                    z = torch.randn(n_samples, v.shape[0], generator=generator, dtype=v.dtype).to(
-                        v.device
-                    )
-                    eps = torch.linalg.solve_triangular(chol.T, z.T, upper=True)  # (P, S)
-                    fs = f.unsqueeze(0) + (jac @ eps).T  # (S, rows)
-                    pr = torch.softmax(fs.view(n_samples, c, -1), dim=1).mean(0)
+            if cls:
+                pr = self._probs(link, f.view(out.shape[0], -1), var, v, jac, n_samples, generator)
                 probs[i].append(pr.reshape(-1))
-        cls = self.likelihood is Likelihood.CLASSIFICATION
         mean = _stack_or_list([_join(b, s, cls) for b, s in zip(means, shapes)])
         variance = _stack_or_list([_join(b, s, cls) for b, s in zip(variances, shapes)])
         cov_out = None
@@ -503,13 +805,33 @@ class SubnetLaplace:
             _stack_or_list([_join(b, s, cls) for b, s in zip(probs, shapes)]) if cls else None
         )
         self._warn_fallbacks()
-        return GLMPredictive(
-            mean,
-            variance,
-            cov_out,
-            prob_out,
-            link if self.likelihood is Likelihood.CLASSIFICATION else None,
-        )
+        return GLMPredictive(mean, variance, cov_out, prob_out, link if cls else None)
+
+    def _probs(
+        self,
+        link: LinkApprox,
+        logits: Tensor,
+        var: Tensor,
+        v: Tensor,
+        jac: Tensor,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> Tensor:
+        """Class probabilities ``(C, m)`` of one block: ``logits`` ``(C, m)``, the marginal
+        variances ``var`` and the whitened rows ``v`` ``(P, C m)`` of the Jacobian rows
+        ``jac``."""
+        c = logits.shape[0]
+        if link is LinkApprox.PROBIT:
+            kappa = torch.rsqrt(1 + math.pi / 8 * var.view(c, -1))
+            return torch.softmax(kappa * logits, dim=0)
+        if link is LinkApprox.BRIDGE:
+            vc = v.view(-1, c, logits.shape[1])  # (P, C, m)
+            cov = torch.einsum("pcm,pdm->mcd", vc, vc)
+            return _bridge(logits.T, cov).T
+        z = torch.randn(n_samples, v.shape[0], generator=generator, dtype=v.dtype).to(v.device)
+        eps = self._draw(z.T)  # (P, S)
+        fs = logits.reshape(1, -1) + (jac @ eps).T  # (S, rows)
+        return torch.softmax(fs.view(n_samples, c, -1), dim=1).mean(0)
 
     def functional_samples(
         self,
@@ -559,8 +881,19 @@ class SubnetLaplace:
     # ------------------------------------------------------------------ internals
     def _fitted(self) -> Tensor:
         if self.H is None:
-            raise RuntimeError("SubnetLaplace is not fitted: call fit(data) first")
+            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(data) first")
         return self.H
+
+    def _blocks(self, inputs: Any, packed: PackedBatch) -> Iterable[_Block]:
+        """:meth:`_jacobians`, or the blocks kept for ``inputs`` during a grid search (kept
+        while the memo's byte cap allows)."""
+        memo = self._memo
+        if memo is None:
+            return self._jacobians(packed)
+        key = id(inputs)
+        if key in memo.blocks:
+            return memo.blocks[key]
+        return memo.keep(key, self._jacobians(packed))
 
     def _function(
         self, packed: PackedBatch, output_fn: Callable[[Any], Any] | None = None
@@ -579,7 +912,7 @@ class SubnetLaplace:
         if self.memory_budget is None:
             return DEFAULT_JACOBIAN_BYTES, None
         p, s = self.subset.numel, self.mean.element_size()
-        kept = 2 * p * p * s + 4 * p * s
+        kept = self._kept_bytes()
         cls = self.likelihood is Likelihood.CLASSIFICATION
         i = packed.largest_sample
         least = int(shapes[i][0]) if cls else 1  # the rows of one output position
@@ -594,7 +927,7 @@ class SubnetLaplace:
             raise MemoryBudgetError(
                 self.memory_budget,
                 kept + least * ours + engine,
-                f"the curvature and its factor over P={p} entries take {kept} bytes, the "
+                f"the posterior over P={p} entries takes {kept} bytes, the "
                 f"Jacobian rows of one output position {least * ours} and the engine computing "
                 f"them {engine}",
             )
@@ -690,6 +1023,11 @@ class SubnetLaplace:
 
     def _vector(self, value: Any, what: str, positive: bool) -> Tensor:
         """A number, ``(P,)``, one value per selected tensor (sequence or dict) -> ``(P,)``."""
+        return self._expand(self._form(value, what, positive))
+
+    def _form(self, value: Any, what: str, positive: bool) -> Tensor:
+        """A number, ``(P,)``, one value per selected tensor (sequence or dict), checked, as a
+        1-d tensor of 1, ``K`` (selected tensors) or ``P`` values (differentiable)."""
         p, names = self.subset.numel, self.subset.names
         dtype, device = self.mean.dtype, self.mean.device
         if isinstance(value, Mapping):
@@ -708,42 +1046,475 @@ class SubnetLaplace:
             if not isinstance(value, Tensor)
             else value.to(dtype=dtype, device=device)
         )
-        if t.dim() == 0:
-            vec = t.expand(p)
-        elif t.dim() == 1 and t.numel() == p:
-            vec = t
-        elif t.dim() == 1 and t.numel() == len(names):
-            sizes = [b - a for a, b in self.subset.offsets.values()]
-            vec = self.subset.to_flat_order(
-                torch.repeat_interleave(t, torch.tensor(sizes, device=device))
-            )
-        else:
+        if t.dim() > 1 or t.numel() not in (1, p, len(names)):
             raise ValueError(
                 f"{what} must be a number, P={p} values or one per selected tensor "
                 f"({len(names)}); got shape {tuple(t.shape)}"
             )
-        if positive and not bool((vec.detach() > 0).all()):
+        if positive and not bool((t.detach() > 0).all()):
             raise ValueError(f"{what} must be positive; got {value!r}")
-        return vec
+        return t.reshape(-1)
+
+    def _expand(self, t: Tensor) -> Tensor:
+        """A checked 1-d form (:meth:`_form`) -> the ``(P,)`` diagonal in flat order."""
+        p = self.subset.numel
+        if t.numel() == p:
+            return t
+        if t.numel() == 1:
+            return t.reshape(()).expand(p)
+        sizes = [b - a for a, b in self.subset.offsets.values()]
+        return self.subset.to_flat_order(
+            torch.repeat_interleave(t, torch.tensor(sizes, device=t.device))
+        )
 
     def _prior(self, prior_precision: Any) -> Tensor:
         if prior_precision is None:
-            return self._prior_precision
+            return self.prior_precision_diag
         return self._vector(prior_precision, "prior_precision", positive=True)
 
     def __repr__(self) -> str:
         fitted = f"fitted on {self.n_data} samples" if self.H is not None else "not fitted"
         return (
-            f"SubnetLaplace(likelihood={self.likelihood.value!r}, P={self.subset.numel}, "
+            f"{type(self).__name__}(likelihood={self.likelihood.value!r}, P={self.subset.numel}, "
             f"hessian={self.hessian.value!r}, {fitted})"
         )
 
 
+class DiagLaplace(SubnetLaplace):
+    """Diagonal Laplace: ``P_post = diag(h) / (sigma^s T) + diag(p_0)``, where ``h`` ``(P,)`` is
+    the diagonal of ``sum_i J_i^T Lambda_i J_i`` (``hessian="ggn"``) or of ``sum_i g_i g_i^T``
+    (``hessian="empirical"``).
+
+    ``h`` comes from :func:`~multiscale_jac.diag_fisher`'s closed forms (per-layer sums of
+    squares from batched passes; ``vmap`` or per-sample Jacobians where a layer has none), so the
+    memory is ``O(P)`` and every weight of a network can be covered. Everything else is
+    :class:`SubnetLaplace`'s, with the diagonal in place of the full matrix: the marginal
+    likelihood (``log det P_post`` is the sum of the logs of the diagonal), the GLM predictive
+    ``f_var = J diag(Sigma) J^T`` (per-sample Jacobian rows in chunks, never ``N x P``), the
+    link approximations, sampling, prior tuning and laplace-torch's calls. laplace-torch's
+    ``DiagLaplace`` computes the same quantities.
+
+    Args:
+        model: Any ``nn.Module`` at its MAP; never changed.
+        likelihood: ``classification`` or ``regression``.
+        subset: The entries the posterior is over (a :class:`ParamSubset`, a name/glob or a
+            list of them); default: every parameter that requires grad.
+        prior_precision: A number, a ``(P,)`` diagonal or one value per selected tensor.
+        sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
+        temperature: ``T``; the curvature is divided by it.
+        prior_mean: A number or a ``(P,)`` vector.
+        hessian: ``ggn`` (default; one backward pass per class, or per regression output, of
+            a chunk) or ``empirical`` (one backward pass per chunk).
+        output_fn: Applied to the model's output (batch dim of one kept).
+        ignore_index: Label of positions left out of dense classification.
+        input_kind: How to read inputs where it is ambiguous (:func:`~multiscale_jac.pack`).
+        chunk_size: Samples per batched run (fit) and per engine call (predictive).
+        memory_budget: Bytes of the working set of :meth:`fit` (see
+            :func:`~multiscale_jac.diag_fisher`) and of :meth:`predictive`.
+        randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``.
+        batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
+        strict: Raise instead of falling back.
+        entries: How the predictive's engine forms single-entry columns.
+        method: How :func:`~multiscale_jac.diag_fisher` computes ``h`` (``auto``,
+            ``layerwise`` or ``vmap``).
+
+    Raises:
+        TypeError, ValueError: bad arguments (the message names the value).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood,
+        subset: ParamSubset | str | Sequence[str] | None = None,
+        *,
+        prior_precision: Any = 1.0,
+        sigma_noise: float = 1.0,
+        temperature: float = 1.0,
+        prior_mean: Any = 0.0,
+        hessian: str | HessianKind = "ggn",
+        output_fn: Callable[[Any], Any] | None = None,
+        ignore_index: int = -100,
+        input_kind: str | InputKind | None = None,
+        chunk_size: int | None = None,
+        memory_budget: int | None = None,
+        randomness: str | Randomness = "error",
+        batch_norm: str | BatchNormPolicy = "error",
+        strict: bool = False,
+        entries: str | Entries = "auto",
+        method: str | FisherMethod = "auto",
+    ) -> None:
+        if subset is None and isinstance(model, nn.Module):
+            subset = ParamSubset.all(model, trainable_only=True)
+        super().__init__(
+            model,
+            likelihood,
+            subset,  # type: ignore[arg-type]
+            prior_precision=prior_precision,
+            sigma_noise=sigma_noise,
+            temperature=temperature,
+            prior_mean=prior_mean,
+            hessian=hessian,
+            output_fn=output_fn,
+            ignore_index=ignore_index,
+            input_kind=input_kind,
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
+            randomness=randomness,
+            batch_norm=batch_norm,
+            strict=strict,
+            entries=entries,
+        )
+        self._fisher_options = {
+            "output_fn": output_fn,
+            "ignore_index": self.ignore_index,
+            "input_kind": input_kind,
+            "chunk_size": self.chunk_size,
+            "memory_budget": self.memory_budget,
+            "randomness": randomness,
+            "batch_norm": batch_norm,
+            "strict": self.strict,
+            "method": parse_enum(FisherMethod, method, "method"),
+        }
+
+    def fit(
+        self,
+        train_loader: Iterable[tuple[Any, Any]],
+        override: bool = True,
+        progress_bar: bool = False,
+        *,
+        progress: bool = False,
+        process_group: Any = None,
+    ) -> DiagLaplace:
+        """Accumulate the diagonal curvature ``h`` (``(P,)``) and the loss at the MAP, in one
+        pass over the data (arguments as :meth:`SubnetLaplace.fit`).
+
+        Returns:
+            ``self``.
+        """
+        show = check_bool(progress, "progress") | check_bool(progress_bar, "progress_bar")
+        override = check_bool(override, "override")
+        reducer = Reducer(process_group)
+        tap = _LossTap(train_loader, self._batch_loss, reducer)
+        kind = "exact" if self.hessian is HessianKind.GGN else "empirical"
+        res = diag_fisher(
+            self.model,
+            tap,
+            params=self.subset,
+            likelihood=self.likelihood,
+            kind=kind,
+            sigma_noise=1.0,
+            progress=show,
+            process_group=process_group,
+            **self._fisher_options,
+        )
+        h = (res.flat * res.num_samples).to(self.mean)
+        loss, n_out = reducer.sum_numbers([tap.loss, float(tap.n_outputs)], h)
+        if override or self.H is None:
+            self.H, self.loss, self.n_data, self.n_outputs = h, loss, 0, 0
+        else:
+            self.H, self.loss = self.H + h, self.loss + loss
+        self.n_data += res.num_samples
+        self.n_outputs += int(n_out)
+        self._chol = None
+        return self
+
+    def _batch_loss(self, batch: Any, seen: int) -> tuple[float, int, int]:
+        """The negative log-likelihood sum (at ``sigma = 1``), the regression output entries
+        and the samples of one ``(inputs, targets)`` batch: one batched forward pass per shape
+        bucket (chunked by ``chunk_size``), without gradients."""
+        inputs, targets = pair(batch)
+        packed = self._prep.pack(inputs, finite=True)
+        fn = self._prep.function(packed, output_fn=Capture(self.output_fn, type(self).__name__))
+        ys = [t.to(self.mean.device) for t in split_targets(targets, len(packed))]
+        loss, n_out = 0.0, 0
+        with torch.no_grad():
+            for bucket in packed.buckets():
+                step = self.chunk_size or len(bucket.indices)
+                for a in range(0, len(bucket.indices), step):
+                    idx = list(bucket.indices[a : a + step])
+                    out = fn.call_batch(packed.stack(idx))
+                    y = torch.stack(
+                        [
+                            check_target(
+                                ys[i], out.shape[1:], self.likelihood, self.ignore_index, seen + i
+                            )
+                            for i in idx
+                        ]
+                    )
+                    loss += float(nll_sum(out, y, self.likelihood, 1.0, self.ignore_index))
+                    n_out += out.numel() if self.likelihood is Likelihood.REGRESSION else 0
+        return loss, n_out, len(packed)
+
+    # ------------------------------------------------------------------ posterior (diagonal)
+    def posterior_precision_matrix(
+        self, prior_precision: Any = None, sigma_noise: Any = None
+    ) -> Tensor:
+        """The diagonal of ``P_post``, ``(P,)`` (differentiable in tensor-valued arguments)."""
+        h = self._fitted()
+        prior = self._prior(prior_precision)
+        sigma = self.sigma_noise if sigma_noise is None else sigma_noise
+        return h * self._factor(sigma) + prior
+
+    @property
+    def posterior_precision(self) -> Tensor:
+        """The diagonal of ``P_post``, ``(P,)``."""
+        return self.posterior_precision_matrix()
+
+    @property
+    def posterior_scale(self) -> Tensor:
+        """``diag(Sigma)^(1/2)``, ``(P,)``, cached."""
+        if self._chol is None:
+            self._chol = self.posterior_precision.rsqrt()
+        return self._chol
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        """``diag(Sigma)``, ``(P,)``."""
+        return 1 / self.posterior_precision
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        """``Sigma`` as a dense ``(P, P)`` diagonal matrix (for small ``P`` only)."""
+        return torch.diag(self.posterior_variance)
+
+    def _posterior_logdet(self, prior: Tensor, sigma_noise: Any) -> Tensor:
+        return self.posterior_precision_matrix(prior, sigma_noise).log().sum()
+
+    def _whiten(self, jac: Tensor) -> Tensor:
+        return (jac * self.posterior_scale).T
+
+    def _draw(self, z: Tensor) -> Tensor:
+        return self.posterior_scale.unsqueeze(1) * z
+
+    def _kept_bytes(self) -> int:
+        return 6 * self.subset.numel * self.mean.element_size()
+
+
+class _LossTap:
+    """``data`` passed through to :func:`~multiscale_jac.diag_fisher`; on the way, the loss of
+    the batches this rank fits (its shard, as the fisher's own sharding takes them)."""
+
+    def __init__(
+        self,
+        data: Iterable[Any],
+        loss_fn: Callable[[Any, int], tuple[float, int, int]],
+        reducer: Reducer,
+    ) -> None:
+        self.data, self.loss_fn, self.reducer = data, loss_fn, reducer
+        # the fisher reads these to see whether the user sharded the data already
+        self.sampler = getattr(data, "sampler", None)
+        self.batch_sampler = getattr(data, "batch_sampler", None)
+        self.loss, self.n_outputs, self.seen = 0.0, 0, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        world, rank = self.reducer.world, self.reducer.rank
+        every = world == 1 or _distributed_sampler(self.data)
+        for k, batch in enumerate(self.data):
+            if every or k % world == rank:
+                loss, n_out, n = self.loss_fn(batch, self.seen)
+                self.loss += loss
+                self.n_outputs += n_out
+                self.seen += n
+            yield batch
+
+
+def _distributed_sampler(data: Any) -> bool:
+    """Whether ``data`` is a DataLoader sharded by a ``DistributedSampler``."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    inner = getattr(getattr(data, "batch_sampler", None), "sampler", None)
+    return isinstance(getattr(data, "sampler", None), DistributedSampler) or isinstance(
+        inner, DistributedSampler
+    )
+
+
+#: laplace-torch options with no counterpart here, and what to do instead
+_FOREIGN_OPTIONS = {
+    "backend": "the curvature is computed exactly by this library; remove it",
+    "backend_kwargs": "the curvature is computed exactly by this library; remove it",
+    "asdl_fisher_kwargs": "the curvature is computed exactly by this library; remove it",
+    "enable_backprop": "the predictive is not differentiable w.r.t. the inputs here",
+    "dict_key_x": "pass the inputs in any form multiscale_jac.pack accepts",
+    "dict_key_y": "pass (inputs, targets) pairs",
+}
+
+
+def Laplace(  # laplace-torch's name
+    model: nn.Module,
+    likelihood: str | Likelihood,
+    subset_of_weights: str | SubsetOfWeights = "last_layer",
+    hessian_structure: str | HessianStructure = "full",
+    *,
+    subnetwork_indices: Tensor | ParamSubset | None = None,
+    sigma_noise: float = 1.0,
+    prior_precision: Any = 1.0,
+    prior_mean: Any = 0.0,
+    temperature: float = 1.0,
+    **library_options: Any,
+) -> SubnetLaplace:
+    """laplace-torch's ``Laplace``: the approximation chosen by two strings.
+
+    ============================  ==========  ==============================================
+    ``subset_of_weights``         ``full``    ``diag``
+    ============================  ==========  ==============================================
+    ``subnetwork``                :class:`SubnetLaplace` over ``subnetwork_indices``
+                                              :class:`DiagLaplace` over them
+    ``last_layer``                :class:`SubnetLaplace` over the last layer
+                                              :class:`DiagLaplace` over it
+    ``all``                       :class:`SubnetLaplace` over every weight (``P x P``:
+                                  small models only)
+                                              :class:`DiagLaplace` over every weight
+    ============================  ==========  ==============================================
+
+    Args:
+        model: Any ``nn.Module`` at its MAP; never changed.
+        likelihood: ``classification`` or ``regression``.
+        subset_of_weights: ``subnetwork``, ``last_layer`` (default, as laplace-torch: the weight
+            and bias of the last ``nn.Linear`` in registration order, or of the last module
+            that owns parameters when there is none, e.g. a 1x1 convolution head) or ``all``
+            (every parameter that requires grad).
+        hessian_structure: ``full`` (default here; laplace-torch defaults to ``kron``, which
+            has no counterpart) or ``diag``.
+        subnetwork_indices: For ``subnetwork``: a 1-d LongTensor of indices into
+            ``parameters_to_vector(model.parameters())`` (the posterior's order), or a
+            :class:`ParamSubset`.
+        sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
+        prior_precision: A number, one value per selected tensor, or a ``(P,)`` diagonal.
+        prior_mean: A number or a ``(P,)`` vector.
+        temperature: ``T``; the curvature is divided by it.
+        **library_options: The classes' other keyword arguments (``hessian``, ``output_fn``,
+            ``memory_budget``, ``chunk_size``, ...; see :class:`SubnetLaplace` and
+            :class:`DiagLaplace`).
+
+    Returns:
+        A :class:`SubnetLaplace` (``full``) or :class:`DiagLaplace` (``diag``), not fitted.
+
+    Raises:
+        ValueError: an unknown string (named with the choices), ``subnetwork`` without
+            ``subnetwork_indices`` or ``subnetwork_indices`` with another subset, bad indices.
+        TypeError: a model that is not an ``nn.Module``, a laplace-torch option that has no
+            counterpart here (the message says what to do).
+    """
+    for name, why in _FOREIGN_OPTIONS.items():
+        if name in library_options:
+            raise TypeError(
+                f"Laplace() got laplace-torch's {name}=, which has no counterpart: {why}"
+            )
+    if "subset" in library_options:
+        raise TypeError(
+            "Laplace() takes the subset as subset_of_weights='subnetwork' with "
+            "subnetwork_indices=...; SubnetLaplace(model, likelihood, subset) takes it directly"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    which = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
+    structure = _hessian_structure(hessian_structure)
+    subset = _subset_of_weights(model, which, subnetwork_indices)
+    cls = DiagLaplace if structure is HessianStructure.DIAG else SubnetLaplace
+    return cls(
+        model,
+        likelihood,
+        subset,
+        sigma_noise=sigma_noise,
+        prior_precision=prior_precision,
+        prior_mean=prior_mean,
+        temperature=temperature,
+        **library_options,
+    )
+
+
+def _hessian_structure(value: Any) -> HessianStructure:
+    try:
+        return parse_enum(HessianStructure, value, "hessian_structure")
+    except ValueError as err:
+        if value in ("kron", "lowrank", "gp"):
+            raise ValueError(
+                f"{err} (laplace-torch's {value!r} has no counterpart here: 'full' is exact on "
+                "a subnetwork or the last layer, 'diag' covers every weight)"
+            ) from None
+        raise
+
+
+def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -> ParamSubset:
+    """The entries ``subset_of_weights`` names (laplace-torch's conventions)."""
+    if which is not SubsetOfWeights.SUBNETWORK:
+        if indices is not None:
+            raise ValueError(
+                "subnetwork_indices is used only with subset_of_weights='subnetwork'; got "
+                f"subset_of_weights={which.value!r}"
+            )
+        if which is SubsetOfWeights.ALL:
+            return ParamSubset.all(model, trainable_only=True)
+        return _last_layer(model)
+    if indices is None:
+        raise ValueError(
+            "subset_of_weights='subnetwork' needs subnetwork_indices: a 1-d LongTensor of "
+            "indices into parameters_to_vector(model.parameters()), or a ParamSubset"
+        )
+    if isinstance(indices, ParamSubset):
+        indices.check_model(model)
+        return indices
+    if not isinstance(indices, Tensor) or indices.dim() != 1:
+        what = (
+            f"shape {tuple(indices.shape)}"
+            if isinstance(indices, Tensor)
+            else type(indices).__name__
+        )
+        raise TypeError(f"subnetwork_indices must be a 1-d LongTensor; got {what}")
+    try:
+        return ParamSubset.from_flat_indices(model, indices)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"subnetwork_indices: {err}") from None
+
+
+def _last_layer(model: nn.Module) -> ParamSubset:
+    """The weight and bias of the last ``nn.Linear`` (registration order); without one, every
+    parameter of the last module that owns parameters."""
+    last = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            last = name
+    if last is None:
+        return ParamSubset.last_layer(model)
+    owned = [n for n, _ in model.get_submodule(last).named_parameters(recurse=False)]
+    return ParamSubset.from_names(model, [f"{last}.{n}" if last else n for n in owned])
+
+
 # ---------------------------------------------------------------------- helpers
+class _NotPositiveDefinite(ValueError):
+    """The posterior precision has no Cholesky factor."""
+
+
+@dataclass
+class _BlockMemo:
+    """Jacobian blocks kept per input batch during a grid search, up to ``cap`` bytes."""
+
+    cap: int
+    used: int = 0
+    blocks: dict[int, list[_Block]] = field(default_factory=dict)
+
+    def keep(self, key: int, blocks: Iterator[_Block]) -> Iterator[_Block]:
+        """``blocks`` passed through; kept under ``key`` when all of them fit the cap."""
+        kept: list[_Block] | None = []
+        size = 0
+        for b in blocks:
+            if kept is not None:
+                size += (b.jac.numel() + b.out.numel()) * b.jac.element_size()
+                if self.used + size <= self.cap:
+                    kept.append(b)
+                else:
+                    kept = None
+            yield b
+        if kept is not None:
+            self.blocks[key] = kept
+            self.used += size
+
+
 def _cholesky(mat: Tensor) -> Tensor:
     chol, info = torch.linalg.cholesky_ex(mat)
     if int(info) != 0:
-        raise ValueError(
+        raise _NotPositiveDefinite(
             "the posterior precision is not positive definite (leading minor "
             f"{int(info)}); increase prior_precision"
         )
@@ -795,3 +1566,40 @@ def _bridge(mean: Tensor, cov: Tensor) -> Tensor:
     sum_exp = torch.exp(-mean).sum(dim=1, keepdim=True)
     alpha = (1 - 2 / k + mean.exp() / k**2 * sum_exp) / var
     return torch.nan_to_num(alpha / alpha.sum(dim=1, keepdim=True), nan=1.0)
+
+
+def _softmax(samples: Tensor) -> Tensor:
+    """Softmax over the class dim of one sample's draws ``(S, C, *spatial)``."""
+    return torch.softmax(samples, dim=1)
+
+
+def _per_sample(
+    samples: Tensor | list[Tensor], fn: Callable[[Tensor], Tensor], batched: bool = True
+) -> Tensor | list[Tensor]:
+    """``fn`` on each sample's draws ``(S, *out)``; a stacked ``(S, N, *out)`` gives the results
+    stacked along dim 0 (``batched``: ``fn`` reduces the draws) or dim 1 (it keeps them)."""
+    if isinstance(samples, list):
+        return [fn(s) for s in samples]
+    parts = [fn(samples[:, i]) for i in range(samples.shape[1])]
+    return torch.stack(parts, dim=0 if batched else 1)
+
+
+def _cat(parts: Sequence[Any]) -> Any:
+    """Batches joined: tensors along dim 0, lists (ragged outputs) into one list."""
+    if all(isinstance(p, Tensor) for p in parts):
+        return torch.cat(list(parts), dim=0)
+    joined: list[Tensor] = []
+    for p in parts:
+        joined.extend(p if isinstance(p, list) else list(p.unbind(0)))
+    return joined
+
+
+def _update_metric(metric: Any, out: Any, y: Any) -> None:
+    """A running metric's update, as laplace-torch calls it."""
+    if isinstance(out, tuple):
+        try:
+            metric.update(*out, y)
+        except TypeError:  # a metric that takes only the mean
+            metric.update(out[0], y)
+    else:
+        metric.update(out, y)

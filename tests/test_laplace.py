@@ -209,15 +209,17 @@ def test_log_marginal_likelihood_matches_dense_formula(case_id: str, likelihood:
     assert float(la.log_marginal_likelihood()) == pytest.approx(expected, abs=1e-9)
 
 
-@pytest.mark.parametrize("structure", ["scalar", "tensor"])
+@pytest.mark.parametrize("structure", ["scalar", "tensor", "layerwise", "diag"])
 def test_optimize_prior_precision_increases_marglik(structure: str) -> None:
     model, subset, data, *_ = setup("fpn_ragged", "regression")
     la = mj.SubnetLaplace(model, "regression", subset, prior_precision=1.0).fit(
         data, progress=False
     )
     before = float(la.log_marginal_likelihood())
-    best = la.optimize_prior_precision(prior_structure=structure, n_steps=60)
-    assert best.numel() == (1 if structure == "scalar" else len(subset.names))
+    assert la.optimize_prior_precision(prior_structure=structure, n_steps=60) is None
+    best = la.prior_precision  # laplace-torch's shapes: (1,), one per tensor, (P,)
+    sizes = {"scalar": 1, "tensor": len(subset.names), "layerwise": len(subset.names)}
+    assert best.shape == (sizes.get(structure, subset.numel),)
     after = float(la.log_marginal_likelihood())
     assert after > before
     # a local optimum: nudging the precision does not improve it
@@ -413,8 +415,12 @@ def test_bad_use() -> None:
         la.predictive(x, link_approx="sigmoid")
     with pytest.raises(ValueError, match="sigma_noise can only be changed for regression"):
         la.log_marginal_likelihood(sigma_noise=0.5)
-    with pytest.raises(ValueError, match="method must be 'marglik'"):
+    with pytest.raises(ValueError, match="unknown method 'cv'; expected one of 'marglik'"):
+        la.optimize_prior_precision("cv")
+    with pytest.raises(ValueError, match="gridsearch' needs val_loader"):
         la.optimize_prior_precision("gridsearch")
+    with pytest.raises(ValueError, match="unknown prior_structure 'block'"):
+        la.optimize_prior_precision(prior_structure="block")
     reg = mj.SubnetLaplace(model, "regression", "net.2.*")
     with pytest.raises(ValueError, match="regression target has 2 entries, the output 3"):
         reg.fit([(x, torch.zeros(3, 2, dtype=DTYPE))], progress=False)
