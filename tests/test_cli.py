@@ -12,12 +12,81 @@ from multiscale_jac.cli import main
 
 @pytest.mark.slow
 def test_demo_prints_table_and_passes(capsys) -> None:
-    assert main(["demo", "--samples", "3", "--entries", "40"]) == 0
+    assert main(["demo", "--samples", "2", "--entries", "20", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "strategy" in out and "max |diff|" in out
-    assert "head.*" in out and "40 entries" in out
+    assert "head.*" in out and "20 entries" in out
     assert "bucketed" in out  # mixed sizes -> buckets
+    for words in ("first s", "warm s", "loop warm s", "warm calls after the first"):
+        assert words in out
+    assert "speed-up = loop warm s / warm s" in out
     assert "OK: every Jacobian equals the loop reference" in out
+
+
+def _fake_row(subset: str, diff: float = 0.0):
+    from multiscale_jac._demo import DemoRow
+
+    return DemoRow(subset, 7, "bucketed", "fwd", (2, 5, 7), 9.0, 0.5, 2.0, diff, 3, 2)
+
+
+def test_demo_streams_rows_and_reports_warm_times(monkeypatch, capsys) -> None:
+    """Each row is printed (flushed) as soon as it is computed, and the speed-up is warm loop
+    over warm engine, never the first call (no real computation: the rows are made up)."""
+    import multiscale_jac._demo as demo
+
+    seen_before_second: list = []
+
+    def fake_iter_demo(**kwargs):
+        assert kwargs["repeats"] == 3 and kwargs["samples"] == 2
+        kwargs["progress"]("head.*: engine, first call (planning included)")
+        yield _fake_row("head.*")
+        seen_before_second.append(capsys.readouterr())
+        yield _fake_row("7 entries")
+
+    monkeypatch.setattr(demo, "iter_demo", fake_iter_demo)
+    assert main(["demo", "--samples", "2", "--entries", "7"]) == 0
+    first_part, progress = seen_before_second[0]
+    assert "warm times are medians of up to 3 calls after the first" in first_part
+    assert "first s" in first_part and "loop warm s" in first_part
+    assert "head.*" in first_part and "7 entries" not in first_part  # streamed, not batched
+    captured = capsys.readouterr()
+    out = first_part + captured.out
+    row = next(line for line in out.splitlines() if line.startswith("7 entries"))
+    assert "9.000" in row and "0.500" in row and "2.000" in row
+    assert "4.0x" in row  # 2.0 / 0.5: warm over warm
+    assert "0.2x" not in row  # not 2.0 / 9.0 (first call)
+    assert "speed-up = loop warm s / warm s (warm calls vs warm calls)" in out
+    assert "head.*: engine 3, loop 2" in out
+    assert "OK: every Jacobian equals the loop reference" in out
+    assert "engine, first call (planning included)" in progress  # the progress line (stderr)
+
+
+def test_demo_fails_on_a_difference(monkeypatch, capsys) -> None:
+    import multiscale_jac._demo as demo
+
+    monkeypatch.setattr(demo, "iter_demo", lambda **_: iter([_fake_row("head.*", diff=1.0)]))
+    assert main(["demo", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL: head.* differ" in captured.out and captured.err == ""
+
+
+def test_demo_speed_up_is_warm_over_warm() -> None:
+    row = _fake_row("x")
+    assert row.speed_up == row.loop_s / row.engine_s == 4.0
+
+
+def test_version_prints_the_package_version(capsys) -> None:
+    import importlib.metadata
+
+    import multiscale_jac
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"multiscale-jac {multiscale_jac.__version__} (torch ")
+    assert importlib.metadata.version("multiscale_jac") == multiscale_jac.__version__
+    assert "CPU-only build" in out or "CUDA" in out
 
 
 def test_help_lists_commands(capsys) -> None:
@@ -63,7 +132,16 @@ def test_module_entry_point() -> None:
         text=True,
         check=True,
     )
-    assert "demo" in out.stdout
+    assert "demo" in out.stdout and "--version" in out.stdout
+    import multiscale_jac
+
+    out = subprocess.run(
+        [sys.executable, "-m", "multiscale_jac", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.startswith(f"multiscale-jac {multiscale_jac.__version__} ")
 
 
 def test_bench_help_and_suites(capsys) -> None:
