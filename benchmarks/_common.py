@@ -6,7 +6,8 @@ Only the standard library and torch. Import it from a script in this folder as
 
 * :func:`env_stamp`: versions, machine, threads, device, git commit, date;
   :func:`load_average` (timings on a shared machine are only as good as its load).
-* :func:`sync`, :func:`timed_call`, :func:`time_method`, :func:`median`: wall-clock timing.
+* :func:`sync`, :func:`timed_call`, :func:`time_method`, :func:`median`: wall-clock timing;
+  :func:`timer_median` (``torch.utils.benchmark.Timer``), :func:`time_limit` (SIGALRM).
 * :func:`rss_bytes`, :func:`peak_rss_bytes`, :func:`vmhwm_bytes`, :func:`measure_peak_memory`:
   peak memory of one call, meant to run in a fresh worker process; :func:`run_worker` starts
   such a process and reads back the one-line JSON it prints. Start workers while the parent is
@@ -17,6 +18,7 @@ Only the standard library and torch. Import it from a script in this folder as
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -24,11 +26,13 @@ import math
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,9 @@ __all__ = [
     "MEMORY_CAVEAT_CPU",
     "MEMORY_CAVEAT_CUDA",
     "REPO_ROOT",
+    "TimeLimit",
+    "cpu_model",
+    "error_text",
     "env_stamp",
     "fmt_bytes",
     "fmt_float",
@@ -52,8 +59,10 @@ __all__ = [
     "vmhwm_bytes",
     "run_worker",
     "sync",
+    "time_limit",
     "time_method",
     "timed_call",
+    "timer_median",
     "write_json",
 ]
 
@@ -127,6 +136,7 @@ def env_stamp(device: str | torch.device) -> dict[str, Any]:
         "processor": platform.processor() or None,
         "cpu_count": os.cpu_count(),
         "cpu_affinity": affinity,
+        "cpu_model": cpu_model(),
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "device": str(device),
@@ -138,6 +148,25 @@ def env_stamp(device: str | torch.device) -> dict[str, Any]:
         "git_dirty": git["dirty"],
         "argv": sys.argv,
     }
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: message (at file:line)``, at most ~600 characters, for a JSON record."""
+    tb = traceback.extract_tb(e.__traceback__)
+    at = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}"[:600] + at
 
 
 def load_average() -> list[float] | None:
@@ -219,6 +248,56 @@ def time_method(
         "timing": how,
         "kept": kept,
     }
+
+
+def timer_median(
+    fn: Callable[[], Any], *, threads: int, min_run_time: float, warm_s: float
+) -> dict[str, Any]:
+    """Time ``fn`` with ``torch.utils.benchmark.Timer(num_threads=threads)`` (its clock
+    synchronises CUDA): ``blocked_autorange(min_run_time)``, or, when one warm call already took
+    ``warm_s >= min_run_time``, up to three single calls (``timeit(1)``) until they add up to
+    ``min_run_time``. ``seconds`` is the median per call."""
+    from torch.utils.benchmark import Timer
+
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    if warm_s >= min_run_time:
+        times: list[float] = []
+        while len(times) < 3 and (not times or sum(times) < min_run_time):
+            times.append(timer.timeit(1).median)
+        how = f"Timer.timeit(1) x {len(times)} (one call >= min_run_time), median"
+        return {"seconds": median(times), "timing": how, "timed_calls": len(times), "times": times}
+    m = timer.blocked_autorange(min_run_time=min_run_time)
+    return {
+        "seconds": m.median,
+        "timing": f"Timer.blocked_autorange(min_run_time={min_run_time:g}), median per call",
+        "timed_calls": len(m.raw_times) * m.number_per_run,
+        "number_per_block": m.number_per_run,
+        "iqr": m.iqr,
+    }
+
+
+class TimeLimit(Exception):
+    """Raised inside a call that ran past :func:`time_limit`."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`TimeLimit` in the main thread after ``seconds`` (SIGALRM, so between two
+    Python-level steps: a long single kernel finishes first); no limit for ``None``/0."""
+    if not seconds or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def fire(_sig: int, _frame: Any) -> None:
+        raise TimeLimit(f"ran past {seconds:.3g} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 # ---------------------------------------------------------------------- memory

@@ -1,87 +1,61 @@
 """Benchmark: the library against the code a user would write instead, one process per cell.
 
-The library claims to be at least as fast as the alternatives. This suite checks that claim on
-a grid of (workload, model) cells; every method of a cell is timed side by side in ONE fresh
-worker process (the training step every ratio is divided by included), checked against one
-float64 reference, and measured for peak memory in its own fresh process.
+Every method of a (workload, model) cell is timed side by side in ONE fresh worker process, the
+training step every ratio is divided by included; checked against one float64 reference; and
+measured for peak memory in a fresh process of its own.
 
-Workloads (each a function of a model and a batch; ``--workloads``)
+Workloads (``--workloads``)
     jacobian  per-sample Jacobian of all outputs w.r.t. all parameters, uniform batch (N=16)
-    ragged    the same on a ragged batch of multi-level samples (a list of samples, each a list
-              of levels whose sizes differ per sample; N=16, several shape buckets)
-    subset    element-subset Jacobian: 200 random single entries,
-              ``ParamSubset.from_flat_indices(model, torch.randperm(P)[:200])`` (N=16)
+    ragged    the same on a ragged batch of multi-level samples (several shape buckets)
+    subset    element-subset Jacobian of 200 random entries (``ParamSubset.from_flat_indices``)
     fisher    diagonal empirical Fisher, classification (N=128)
-    jacnorm   gradient of the Jacobian-norm regulariser, ``jacobian_sq_norm(model, x).backward()``
-              with one scalar output per sample (n=128)
-    laplace   subnetwork Laplace fit, 100 random entries,
-              ``SubnetLaplace(model, "classification", subset).fit(data)`` (B=32)
+    jacnorm   ``jacobian_sq_norm(model, x).backward()``, one scalar output per sample (n=128)
+    laplace   ``SubnetLaplace(model, "classification", subset).fit(data)``, 100 entries (B=32)
 
-Models (``--models``; the grid in ``GRID`` says which model runs in which workload)
-    existing zoo: ``vgg11_bn_q``, ``resnet8`` (``bench_fisher``), ``cnn3``, ``cnn8``
-    (``bench_jacnorm``), ``convblock`` / ``convblock_wide`` (``multiscale_jac.models.ConvBlock``,
-    in_ch 8 / 32), ``tinyfpn``, ``sharedfpn`` (``TinyFPN``, ``SharedHeadFPN``);
-    architectures the cost model was not tuned on (fixed before measuring): ``tanh_cnn`` (strided
-    tanh convs, a large linear head), ``gelu_cnn``, ``gn_dw`` (GroupNorm + depthwise-conv
-    blocks), ``det_head`` (a detection head shared over ragged FPN levels, outputs per level),
-    ``transformer`` (two pre-norm blocks over 16 tokens, ``F.scaled_dot_product_attention``).
+Models (``--models``; ``GRID`` says which model runs in which workload): the zoo of the other
+suites (``vgg11_bn_q``, ``resnet8``, ``cnn3``, ``cnn8``, ``convblock``, ``convblock_wide``,
+``tinyfpn``, ``sharedfpn``) and architectures the cost model was not tuned on, fixed before
+measuring: ``tanh_cnn`` (strided tanh convs, a large linear head), ``gelu_cnn``, ``gn_dw``
+(GroupNorm + depthwise blocks), ``det_head`` (a detection head over ragged pyramid levels),
+``transformer`` (two pre-norm blocks, ``F.scaled_dot_product_attention``).
 
-Methods per cell (``--methods`` filters by name; a method that does not apply is recorded with
-the reason)
-    train_step         forward, loss, backward, SGD step on a train-mode copy (the reference of
-                       every ratio; a ragged batch: one forward/backward per shape bucket)
+Methods (``--methods``; one that does not apply is recorded with the reason)
+    train_step         forward, loss, backward, SGD step (per shape bucket): every ratio's unit
     loop_func          a Python loop over samples of ``torch.func.jacrev`` (fisher: ``grad``;
                        jacnorm: ``grad`` of the squared norm of ``jacrev``)
-    vmap_chunks        ``vmap(jacrev)`` in chunks (per shape bucket; fisher: ``vmap(grad)``)
-    vmap_double_bwd    jacnorm: ``grad`` of the squared norm of ``vmap(grad)``, 16 samples a chunk
+    vmap_chunks        ``vmap(jacrev)`` / ``vmap(grad)`` in chunks, per shape bucket
+    vmap_double_bwd    jacnorm: ``grad`` of the squared norm of ``vmap(grad)``, 16 a chunk
     fwd_over_rev       jacnorm: ``vmap(grad)``, then ``2 sum_i H_i g_i`` by ``jvp`` of ``grad``
-    autograd_jacobian  ``torch.autograd.functional.jacobian(vectorize=True)`` over the batch (per
-                       shape bucket); not run above ``--max-gb`` by its memory estimate
-    backpack           BackPACK: ``BatchGrad`` (one backward per output row) or ``SumGradSquared``
-    opacus             Opacus ``GradSampleModule`` (one forward/backward per output row)
-    curvlinops         curvlinops: ``JacobianLinearOperator`` on one-hot columns (subset),
-                       ``TransposedJacobianLinearOperator`` on the identity (jacobian, ragged),
-                       the ``GGNLinearOperator`` submatrix of the subset (laplace)
-    library_auto       the library with its defaults (``per_sample_jacobian``, ``diag_fisher``,
-                       ``jacobian_sq_norm(...).backward()``, ``SubnetLaplace(...).fit``)
-    library_<route>    every forced route, ``strict=True``: ``strategy`` x ``mode`` (x
-                       ``entries`` for subset), Fisher ``method``, every ``JacNormMethod`` but
-                       ``auto`` (read at run time), Laplace ``entries``
+    autograd_jacobian  ``torch.autograd.functional.jacobian(vectorize=True)`` per shape bucket
+                       (not run above ``--max-gb`` by its memory estimate)
+    backpack, opacus, curvlinops   the peers, where installed
+    library_auto       the library with its defaults; ``library_<route>``: every forced route
+                       (``strict=True``): strategy x mode (x entries), the Fisher methods, every
+                       ``JacNormMethod`` (read at run time), the Laplace entries
 
-Timing: ``torch.utils.benchmark.Timer(...).blocked_autorange(min_run_time=...)`` with
-``num_threads=--threads`` (a method slower than ``--min-run-time`` after its warm-up: up to three
-single timed runs instead; the Timer's own clock synchronises CUDA). The median is reported.
-Each method first runs on a small slice (warm-up; its time scaled to the batch decides whether
-the method is run at all, ``--method-limit``), then once on the batch (warm-up, excluded). A
-library method's first call on the batch is made on a fresh deep copy of the model (any plan
-cache cold) and reported as ``first_call_seconds``; its timed runs then use that copy.
+Timing: ``torch.utils.benchmark.Timer(num_threads=--threads).blocked_autorange`` (a call slower
+than ``--min-run-time``: up to three single timed calls), the median; the Timer's clock
+synchronises CUDA. Each method first runs on a small slice (its time, scaled to the batch,
+decides whether it runs at all: ``--method-limit``), then once on the batch (excluded). A library
+method's first call runs on a fresh copy of the model with the plan cache cleared
+(``first_call_seconds``).
 
-Correctness: every method also runs on a small float64 slice of the cell and is compared with
-one reference (plain ``autograd.grad`` loops, one sample and one output row at a time):
-``checked`` is the max abs difference, ``checked_rel`` that over the reference's max. Its float32
-result on the batch is compared with the first peer's (``float32_rel_diff``). A method over
-``--check-tol`` (float64) or ``--f32-tol`` is marked ``valid: false`` and never counts as the
-best. ``--check`` runs the float64 comparison alone for every cell and exits 1 on a failure.
-
-Memory: one fresh worker per (cell, method) (``--memory all``; ``main``: the training step,
-``library_auto``, the best other method and the best route; ``none``): a warm-up on the slice,
-then one call on the batch under ``_common.measure_peak_memory`` (CPU: peak RSS rise; CUDA:
-``max_memory_allocated`` rise).
+Correctness: every method also runs on a float64 slice against plain ``autograd.grad`` loops
+(``checked``, ``checked_rel``); its float32 result on the batch is compared with the first
+peer's. A method over ``--check-tol`` / ``--f32-tol`` is ``valid: false`` and never the best.
+``--check`` runs the float64 comparison alone and exits 1 on a failure.
 
 Per cell: ``best_other`` (the fastest valid non-library method), ``library_over_best_other``
-(``library_auto`` seconds / that), ``best_route`` and ``auto_over_best_route``
-(``library_auto`` / the fastest valid forced route).
-
-Results: ``benchmarks/results/bench_peers.json`` (``_quick``, ``_check``; ``--out``,
-``--name``), ``bench_peers.md`` (the tables) and ``bench_peers.png`` (``library_over_best_other``
-per cell, log scale, with ``auto_over_best_route``; needs matplotlib).
+(auto / that), ``best_route`` and ``auto_over_best_route``, and ``note`` where auto is slower
+than the best other method. Output: ``bench_peers[_quick].json``, ``.md`` (tables) and ``.png``
+(auto / best other per cell, log scale; needs matplotlib) in ``--out`` (benchmarks/results).
 
 Usage::
 
-    python benchmarks/bench_peers.py                       # the full grid (~20 min, 2 cores)
-    python benchmarks/bench_peers.py --quick               # a few minutes
-    python benchmarks/bench_peers.py --check               # float64 agreement of every method
-    python benchmarks/bench_peers.py --dry                 # list the cells and methods only
+    python benchmarks/bench_peers.py            # the full grid
+    python benchmarks/bench_peers.py --quick    # a smaller grid and batches
+    python benchmarks/bench_peers.py --check    # float64 agreement of every method
+    python benchmarks/bench_peers.py --dry      # list the cells and methods only
     python benchmarks/bench_peers.py --workloads fisher --models resnet8 --memory none
     python benchmarks/bench_peers.py --device cuda --quick --out benchmarks/results/gpu
 """
@@ -89,18 +63,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
+import importlib
 import importlib.util
 import json
 import math
-import signal
-import statistics
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,13 +82,18 @@ import torch.nn.functional as F
 from _common import (
     MEMORY_CAVEAT_CPU,
     MEMORY_CAVEAT_CUDA,
+    TimeLimit,
     env_stamp,
+    error_text,
     fmt_bytes,
     fmt_seconds,
+    load_average,
     markdown_table,
     measure_peak_memory,
     run_worker,
-    sync,
+    time_limit,
+    timed_call,
+    timer_median,
     write_json,
 )
 from bench_fisher import build_model as build_fisher_model
@@ -125,7 +102,6 @@ from bench_jacnorm import PlainCNN
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, jvp, vmap
 from torch.utils._pytree import tree_leaves
-from torch.utils.benchmark import Timer
 
 import multiscale_jac as mj
 from multiscale_jac.models import ConvBlock, SharedHeadFPN, TinyFPN
@@ -134,47 +110,27 @@ SCRIPT = Path(__file__).resolve()
 DEFAULT_OUT = SCRIPT.parent / "results"
 
 WORKLOADS = ("jacobian", "ragged", "subset", "fisher", "jacnorm", "laplace")
-NEW_MODELS = ("tanh_cnn", "gelu_cnn", "gn_dw", "det_head", "transformer")
-
-#: which models run in which workload (the full grid; ``--quick`` uses ``QUICK_GRID``)
+JACOBIAN_LIKE = ("jacobian", "ragged", "subset")
+_NEW = ("tanh_cnn", "gelu_cnn", "gn_dw")
+#: which models run in which workload (``--quick``: ``QUICK_GRID``)
 GRID: dict[str, tuple[str, ...]] = {
-    "jacobian": (
-        "resnet8",
-        "convblock",
-        "tinyfpn",
-        "tanh_cnn",
-        "gelu_cnn",
-        "gn_dw",
-        "det_head",
-        "transformer",
-    ),
+    "jacobian": ("resnet8", "convblock", "tinyfpn", *_NEW, "det_head", "transformer"),
     "ragged": ("convblock", "tinyfpn", "sharedfpn", "det_head"),
-    "subset": (
-        "convblock_wide",
-        "resnet8",
-        "vgg11_bn_q",
-        "tanh_cnn",
-        "gelu_cnn",
-        "gn_dw",
-        "det_head",
-        "transformer",
-    ),
-    "fisher": ("vgg11_bn_q", "resnet8", "tanh_cnn", "gelu_cnn", "gn_dw", "transformer"),
-    "jacnorm": ("cnn3", "cnn8", "tanh_cnn", "gelu_cnn", "gn_dw", "transformer"),
-    "laplace": ("resnet8", "vgg11_bn_q", "tanh_cnn", "gelu_cnn", "gn_dw", "transformer"),
+    "subset": ("convblock_wide", "resnet8", "vgg11_bn_q", *_NEW, "det_head", "transformer"),
+    "fisher": ("vgg11_bn_q", "resnet8", *_NEW, "transformer"),
+    "jacnorm": ("cnn3", "cnn8", *_NEW, "transformer"),
+    "laplace": ("resnet8", "vgg11_bn_q", *_NEW, "transformer"),
 }
 QUICK_GRID: dict[str, tuple[str, ...]] = {
-    "jacobian": ("resnet8", "det_head"),
+    "jacobian": ("convblock", "det_head"),
     "ragged": ("det_head",),
-    "subset": ("resnet8", "det_head"),
+    "subset": ("det_head",),
     "fisher": ("resnet8",),
     "jacnorm": ("gelu_cnn",),
-    "laplace": ("resnet8",),
+    "laplace": ("gelu_cnn",),
 }
-ALL_MODELS = tuple(dict.fromkeys(m for ms in GRID.values() for m in ms))
-
 #: batch size per workload (full, quick)
-SIZES: dict[str, tuple[int, int]] = {
+SIZES = {
     "jacobian": (16, 8),
     "ragged": (16, 8),
     "subset": (16, 8),
@@ -184,10 +140,10 @@ SIZES: dict[str, tuple[int, int]] = {
 }
 SUBSET_K = {"subset": 200, "laplace": 100}
 NUM_CLASSES = 10
-CHECK_SAMPLES = 3  # the float64 slice (and the warm-up slice)
+CHECK_SAMPLES = 3  # the float64 slice (ragged: 3 samples, else 2) and the warm-up slice
 VMAP_CHUNK = 16  # samples per vmap call of the Jacobian / Jacobian-norm peers
 FISHER_VMAP_CHUNK = 32  # bench_fisher's
-CHUNK_BYTES = 256 * 2**20  # vmap peers: fewer samples per call when their Jacobian is larger
+CHUNK_BYTES = 256 * 2**20  # vmap(jacrev): fewer samples per call when their Jacobian is larger
 
 
 class Skip(Exception):
@@ -196,42 +152,29 @@ class Skip(Exception):
 
 # ---------------------------------------------------------------------- new architectures
 class StridedTanhCNN(nn.Module):
-    """Two strided tanh convs (3->16->32 channels, stride 2) and a large linear head
-    (2048 -> 256 -> outputs); most of the ~0.53M parameters are in the head."""
+    """Strided tanh convs (3->16->32, stride 2) and a large head (2048 -> 256 -> outputs)."""
 
     def __init__(self, num_outputs: int = NUM_CLASSES) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 5, stride=2, padding=2),
-            nn.Tanh(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1),
-            nn.Tanh(),
+            *(nn.Conv2d(3, 16, 5, stride=2, padding=2), nn.Tanh()),
+            *(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.Tanh()),
         )
-        self.head = nn.Sequential(
-            nn.Linear(32 * 8 * 8, 256), nn.Tanh(), nn.Linear(256, num_outputs)
-        )
+        self.head = nn.Sequential(nn.Linear(2048, 256), nn.Tanh(), nn.Linear(256, num_outputs))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x).flatten(1))
 
 
 class GeluCNN(nn.Module):
-    """3x3 convs with GELU (32/32/64/64 channels, 2x2 average pooling twice), global average
-    pooling, a linear classifier."""
+    """3x3 GELU convs (32/32/64/64, 2x2 average pooling twice), global mean, a linear head."""
 
     def __init__(self, num_outputs: int = NUM_CLASSES) -> None:
         super().__init__()
+        conv = lambda a, b: (nn.Conv2d(a, b, 3, padding=1), nn.GELU())  # noqa: E731
+        pool = nn.AvgPool2d(2)
         self.features = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1),
-            nn.GELU(),
-            nn.Conv2d(32, 32, 3, padding=1),
-            nn.GELU(),
-            nn.AvgPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1),
-            nn.GELU(),
-            nn.AvgPool2d(2),
-            nn.Conv2d(64, 64, 3, padding=1),
-            nn.GELU(),
+            *conv(3, 32), *conv(32, 32), pool, *conv(32, 64), pool, *conv(64, 64)
         )
         self.fc = nn.Linear(64, num_outputs)
 
@@ -246,16 +189,14 @@ class DepthwiseBlock(nn.Module):
         super().__init__()
         self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
         self.norm = nn.GroupNorm(4, c)
-        self.pw1 = nn.Conv2d(c, 4 * c, 1)
-        self.pw2 = nn.Conv2d(4 * c, c, 1)
+        self.pw1, self.pw2 = nn.Conv2d(c, 4 * c, 1), nn.Conv2d(4 * c, c, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         return x + self.pw2(F.gelu(self.pw1(self.norm(self.dw(x)))))
 
 
 class GroupNormDepthwise(nn.Module):
-    """A 4x4 stride-4 stem (3->48), two depthwise blocks, GroupNorm, global average pooling,
-    a linear classifier."""
+    """A 4x4 stride-4 stem (3->48), two depthwise blocks, GroupNorm, global mean, linear."""
 
     def __init__(self, num_outputs: int = NUM_CLASSES, width: int = 48) -> None:
         super().__init__()
@@ -269,21 +210,15 @@ class GroupNormDepthwise(nn.Module):
 
 
 class DetectionHead(nn.Module):
-    """A RetinaNet-style head shared by every pyramid level: a classification branch
-    (conv3x3-ReLU-conv3x3 to ``num_classes``) and a box branch (to 4), on each level of a list of
-    ``(B, C, H_l, W_l)`` maps; the output is one tensor per level (class logits and boxes
-    flattened and concatenated), so a sample's output size follows its pyramid."""
+    """A RetinaNet-style head shared by every pyramid level: class (3) and box (4) branches of
+    conv3x3-ReLU-conv3x3; one output per level (both flattened), so outputs follow the pyramid."""
 
     def __init__(self, in_ch: int = 8, num_classes: int = 3) -> None:
         super().__init__()
-        self.cls = nn.Sequential(
-            nn.Conv2d(in_ch, in_ch, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(in_ch, num_classes, 3, padding=1),
+        branch = lambda out: nn.Sequential(  # noqa: E731
+            nn.Conv2d(in_ch, in_ch, 3, padding=1), nn.ReLU(), nn.Conv2d(in_ch, out, 3, padding=1)
         )
-        self.box = nn.Sequential(
-            nn.Conv2d(in_ch, in_ch, 3, padding=1), nn.ReLU(), nn.Conv2d(in_ch, 4, 3, padding=1)
-        )
+        self.cls, self.box = branch(num_classes), branch(4)
 
     def forward(self, levels: Sequence[Tensor]) -> list[Tensor]:
         return [torch.cat([self.cls(x).flatten(1), self.box(x).flatten(1)], 1) for x in levels]
@@ -293,211 +228,151 @@ class TransformerBlock(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
-        self.norm1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.norm2 = nn.LayerNorm(d)
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        )
+        att = F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)))
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
 
 
 class TinyTransformer(nn.Module):
-    """Tokens ``(B, 16, 16)`` -> a linear embedding (64) plus a learned position embedding, two
-    pre-norm blocks (4 heads, ``F.scaled_dot_product_attention``, GELU MLP x2), LayerNorm, mean
-    over tokens, a linear head."""
+    """Tokens ``(B, 16, 16)`` -> linear embedding (64) + learned positions, two pre-norm blocks
+    (4 heads), LayerNorm, mean over tokens, a linear head."""
 
     def __init__(self, num_outputs: int = NUM_CLASSES, tokens: int = 16, d_in: int = 16) -> None:
         super().__init__()
-        d = 64
-        self.embed = nn.Linear(d_in, d)
-        self.pos = nn.Parameter(0.02 * torch.randn(tokens, d))
-        self.blocks = nn.Sequential(TransformerBlock(d, 4), TransformerBlock(d, 4))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, num_outputs)
+        self.embed = nn.Linear(d_in, 64)
+        self.pos = nn.Parameter(0.02 * torch.randn(tokens, 64))
+        self.blocks = nn.Sequential(TransformerBlock(64, 4), TransformerBlock(64, 4))
+        self.norm, self.head = nn.LayerNorm(64), nn.Linear(64, num_outputs)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.blocks(self.embed(x) + self.pos)
-        return self.head(self.norm(h).mean(dim=1))
+        return self.head(self.norm(self.blocks(self.embed(x) + self.pos)).mean(dim=1))
 
 
 # ---------------------------------------------------------------------- models and cells
 @dataclass(frozen=True)
 class ModelSpec:
-    """How to build a model and its inputs.
-
-    ``kind``: ``image`` (one ``(3, 32, 32)`` tensor per sample), ``tokens`` (``(16, 16)``), or
-    ``levels`` (a list of ``(C_l, H_l, W_l)`` maps, ``levels(h, w)`` their shapes from the
-    finest level's size). ``classifier``: the output is ``(B, classes)`` logits.
-    """
+    """``kind``: ``image`` (``(3, 32, 32)`` per sample), ``tokens`` (``(16, 16)``) or ``levels``
+    (a list of ``(C_l, H_l, W_l)`` maps, ``levels(h, w)`` their shapes); ``classifier``: the
+    output is ``(B, classes)`` logits."""
 
     name: str
     build: Callable[[int], nn.Module]  # num_outputs -> model (built under a fixed seed)
     kind: str
+    description: str
     classifier: bool = True
     levels: Callable[[int, int], list[tuple[int, ...]]] | None = None
     uniform_hw: tuple[int, int] = (0, 0)
     ragged_hw: tuple[tuple[int, int], ...] = ()
-    description: str = ""
 
 
 def _half(n: int, k: int) -> int:
     return math.ceil(n / 2**k)
 
 
-def _fisher_model(name: str) -> Callable[[int], nn.Module]:
+def _fixed(factory: Callable[[], nn.Module], outputs: tuple[int, ...], why: str) -> Any:
     def build(num_outputs: int) -> nn.Module:
-        if num_outputs != NUM_CLASSES:
-            raise Skip(f"{name} is a {NUM_CLASSES}-class classifier")
-        return build_fisher_model(name, 0)  # BatchNorm statistics set, eval mode
-
-    return build
-
-
-def _jacnorm_model(name: str) -> Callable[[int], nn.Module]:
-    def build(num_outputs: int) -> nn.Module:
-        if num_outputs != 1:
-            raise Skip(f"{name} has one scalar output")
-        return PlainCNN(JACNORM_WIDTHS[name], pool_every=1 if name == "cnn3" else 2)
-
-    return build
-
-
-def _no_outputs_arg(factory: Callable[[], nn.Module], what: str) -> Callable[[int], nn.Module]:
-    def build(num_outputs: int) -> nn.Module:
-        if num_outputs not in (0, NUM_CLASSES):
-            raise Skip(f"{what} has a fixed dense output")
+        if num_outputs not in outputs:
+            raise Skip(why)
         return factory()
 
     return build
 
 
+def _zoo(name: str, desc: str, *, jacnorm: bool = False) -> ModelSpec:
+    if jacnorm:
+        build = lambda: PlainCNN(JACNORM_WIDTHS[name], pool_every=1 if name == "cnn3" else 2)  # noqa: E731
+        return ModelSpec(
+            name, _fixed(build, (1,), f"{name} has one scalar output"), "image", desc, False
+        )
+    build = lambda: build_fisher_model(name, 0)  # noqa: E731  (BatchNorm statistics set, eval)
+    return ModelSpec(
+        name, _fixed(build, (NUM_CLASSES,), f"{name} is a 10-class classifier"), "image", desc
+    )
+
+
+def _pyramid(h: int, w: int, ch: int = 8, n: int = 3) -> list[tuple[int, ...]]:
+    return [(ch, _half(h, k), _half(w, k)) for k in range(n)]
+
+
+def _levels(
+    name: str, factory: Callable[[], nn.Module], desc: str, levels: Any, hw: Any, ragged: Any = ()
+) -> ModelSpec:
+    build = _fixed(factory, (0, NUM_CLASSES), f"{name} has a fixed dense output")
+    return ModelSpec(name, build, "levels", desc, False, levels, hw, ragged)
+
+
+_RAGGED4 = ((12, 12), (12, 16), (16, 12), (8, 16))
 SPECS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
-        ModelSpec(
-            "vgg11_bn_q",
-            _fisher_model("vgg11_bn_q"),
-            "image",
-            description="bench_fisher's CIFAR VGG11-BN, channels x 1/4 (eval mode)",
-        ),
-        ModelSpec(
-            "resnet8",
-            _fisher_model("resnet8"),
-            "image",
-            description="bench_fisher's CIFAR ResNet-8 (BatchNorm, eval mode)",
-        ),
-        ModelSpec(
-            "cnn3",
-            _jacnorm_model("cnn3"),
-            "image",
-            classifier=False,
-            description="bench_jacnorm's 3-conv CNN (64/128/320), scalar head",
-        ),
-        ModelSpec(
-            "cnn8",
-            _jacnorm_model("cnn8"),
-            "image",
-            classifier=False,
-            description="bench_jacnorm's 8-conv CNN (32..128), scalar head",
-        ),
-        ModelSpec(
-            "tanh_cnn",
-            StridedTanhCNN,
-            "image",
-            description="new: strided tanh CNN, 2048->256->out linear head",
-        ),
-        ModelSpec("gelu_cnn", GeluCNN, "image", description="new: 4-conv GELU CNN, avg pooling"),
-        ModelSpec(
-            "gn_dw",
-            GroupNormDepthwise,
-            "image",
-            description="new: stem + 2 GroupNorm/depthwise-7x7 blocks (ConvNeXt-like)",
-        ),
-        ModelSpec(
-            "transformer",
-            TinyTransformer,
-            "tokens",
-            description="new: 2-block transformer over 16 tokens (SDPA, LayerNorm)",
-        ),
-        ModelSpec(
+        _zoo("vgg11_bn_q", "bench_fisher's CIFAR VGG11-BN, channels x 1/4 (eval mode)"),
+        _zoo("resnet8", "bench_fisher's CIFAR ResNet-8 (BatchNorm, eval mode)"),
+        _zoo("cnn3", "bench_jacnorm's 3-conv CNN (64/128/320), scalar head", jacnorm=True),
+        _zoo("cnn8", "bench_jacnorm's 8-conv CNN (32..128), scalar head", jacnorm=True),
+        ModelSpec("tanh_cnn", StridedTanhCNN, "image", "new: strided tanh CNN, 2048->256 head"),
+        ModelSpec("gelu_cnn", GeluCNN, "image", "new: 4-conv GELU CNN, average pooling"),
+        ModelSpec("gn_dw", GroupNormDepthwise, "image", "new: stem + 2 GroupNorm/depthwise blocks"),
+        ModelSpec("transformer", TinyTransformer, "tokens", "new: 2-block transformer, 16 tokens"),
+        _levels(
             "convblock",
-            _no_outputs_arg(lambda: ConvBlock(in_ch=8, out_ch=8), "ConvBlock"),
-            "levels",
-            classifier=False,
-            levels=lambda h, w: [(8, h, w), (8, h // 2 + 2, w // 2 + 2)],
-            uniform_hw=(16, 16),
-            ragged_hw=((16, 16), (14, 18), (18, 14), (12, 20)),
-            description="multiscale_jac.models.ConvBlock(in_ch=8, out_ch=8), two levels",
+            lambda: ConvBlock(in_ch=8, out_ch=8),
+            "multiscale_jac.models.ConvBlock(in_ch=8, out_ch=8), two levels",
+            lambda h, w: [(8, h, w), (8, h // 2 + 2, w // 2 + 2)],
+            (16, 16),
+            ((16, 16), (14, 18), (18, 14), (12, 20)),
         ),
-        ModelSpec(
+        _levels(
             "convblock_wide",
-            _no_outputs_arg(lambda: ConvBlock(in_ch=32, out_ch=8), "ConvBlock"),
-            "levels",
-            classifier=False,
-            levels=lambda h, w: [(32, h, w), (32, h - 10, w - 10)],
-            uniform_hw=(24, 24),
-            description="ConvBlock(in_ch=32, out_ch=8) on 24x24 and 14x14 (the README's)",
+            lambda: ConvBlock(in_ch=32, out_ch=8),
+            "ConvBlock(in_ch=32, out_ch=8) on 24x24 and 14x14 (the README's)",
+            lambda h, w: [(32, h, w), (32, h - 10, w - 10)],
+            (24, 24),
         ),
-        ModelSpec(
+        _levels(
             "tinyfpn",
-            _no_outputs_arg(
-                lambda: TinyFPN(in_channels=(8, 16), width=16, num_outputs=4, extra_levels=1),
-                "TinyFPN",
-            ),
-            "levels",
-            classifier=False,
-            levels=lambda h, w: [(8, h, w), (16, _half(h, 1), _half(w, 1))],
-            uniform_hw=(12, 12),
-            ragged_hw=((12, 12), (12, 16), (16, 16), (20, 16)),
-            description="TinyFPN(in_channels=(8, 16), width=16, num_outputs=4, extra_levels=1)",
+            lambda: TinyFPN(in_channels=(8, 16), width=16, num_outputs=4, extra_levels=1),
+            "TinyFPN(in_channels=(8, 16), width=16, num_outputs=4, extra_levels=1)",
+            lambda h, w: [(8, h, w), (16, _half(h, 1), _half(w, 1))],
+            (12, 12),
+            ((12, 12), (12, 16), (16, 16), (20, 16)),
         ),
-        ModelSpec(
+        _levels(
             "sharedfpn",
-            _no_outputs_arg(
-                lambda: SharedHeadFPN((8, 8, 8), width=8, num_outputs=4, depth=2), "SharedHeadFPN"
-            ),
-            "levels",
-            classifier=False,
-            levels=lambda h, w: [
-                (8, h, w),
-                (8, _half(h, 1), _half(w, 1)),
-                (8, _half(h, 2), _half(w, 2)),
-            ],
-            uniform_hw=(12, 12),
-            ragged_hw=((12, 12), (12, 16), (16, 12), (9, 16), (16, 9), (8, 16)),
-            description="SharedHeadFPN((8, 8, 8), width=8, num_outputs=4, depth=2), map_levels head",
+            lambda: SharedHeadFPN((8, 8, 8), width=8, num_outputs=4, depth=2),
+            "SharedHeadFPN((8, 8, 8), width=8, num_outputs=4, depth=2)",
+            _pyramid,
+            (12, 12),
+            (*_RAGGED4, (9, 16), (16, 9)),
         ),
-        ModelSpec(
+        _levels(
             "det_head",
-            _no_outputs_arg(lambda: DetectionHead(in_ch=8, num_classes=3), "DetectionHead"),
-            "levels",
-            classifier=False,
-            levels=lambda h, w: [
-                (8, h, w),
-                (8, _half(h, 1), _half(w, 1)),
-                (8, _half(h, 2), _half(w, 2)),
-            ],
-            uniform_hw=(12, 12),
-            ragged_hw=((12, 12), (12, 16), (16, 12), (8, 16)),
-            description="new: detection head (cls 3 + box 4) shared over 3 FPN levels, per-level outputs",
+            lambda: DetectionHead(in_ch=8, num_classes=3),
+            "new: detection head (cls 3 + box 4) shared over 3 pyramid levels",
+            _pyramid,
+            (12, 12),
+            _RAGGED4,
         ),
     )
 }
 
 
 def flat_out(out: Any) -> Tensor:
-    """A model's output (a tensor, or a list/tuple/dict of them) as ``(B, O)``, leaf by leaf
-    (the library's flattening)."""
-    leaves = tree_leaves(out)
-    return torch.cat([t.reshape(t.shape[0], -1) for t in leaves], 1)
+    """A model's output (tensor, or list/tuple/dict of them) as ``(B, O)``, leaf by leaf."""
+    return torch.cat([t.reshape(t.shape[0], -1) for t in tree_leaves(out)], 1)
+
+
+def flat_grads(params: Sequence[Tensor], gs: Sequence[Tensor | None]) -> Tensor:
+    """Gradients (``None``: zero) as one flat vector in parameter order."""
+    return torch.cat(
+        [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, gs)]
+    )
 
 
 @dataclass
@@ -524,28 +399,41 @@ class Batch:
     def o_max(self) -> int:
         return max(self.out_sizes)
 
+    def labels(self, idx: Any) -> Tensor:
+        """The labels of ``idx`` (zeros where the batch has none: a dummy for vmap)."""
+        if self.targets is None:
+            return torch.zeros(self.n, dtype=torch.long, device=self.samples[0][0].device)[idx]
+        return self.targets[idx]
+
 
 @dataclass
 class Cell:
     workload: str
     spec: ModelSpec
     model: nn.Module  # eval mode, on the device, in the cell's dtype
-    batch: Batch
-    subset: mj.ParamSubset
     device: torch.device
     dtype: torch.dtype
-    ragged: bool
+    batch: Batch = None  # type: ignore[assignment]
+    subset: mj.ParamSubset = None  # type: ignore[assignment]
+    cols: Tensor | None = None  # the subset's flat indices (None: all, in order)
     names: list[str] = field(default_factory=list)
     num_params: int = 0
-    cols: Tensor | None = None  # the subset's flat indices (None: all, in order)
 
     @property
     def name(self) -> str:
         return f"{self.workload}/{self.spec.name}"
 
     @property
+    def ragged(self) -> bool:
+        return self.workload == "ragged"
+
+    @property
     def tensor_input(self) -> bool:
         return self.spec.kind != "levels"
+
+    @property
+    def jacobian_like(self) -> bool:
+        return self.workload in JACOBIAN_LIKE or self.workload == "laplace"
 
     def model_input(self, levels: Sequence[Tensor]) -> Any:
         return levels[0] if self.tensor_input else list(levels)
@@ -554,12 +442,11 @@ class Cell:
         """``(B, O)`` outputs of ``model`` on batched levels."""
         return flat_out(model(self.model_input(levels)))
 
-    def params(self, model: nn.Module | None = None) -> dict[str, Tensor]:
-        return {n: p.detach() for n, p in (model or self.model).named_parameters()}
+    def params(self, model: nn.Module) -> dict[str, Tensor]:
+        return {n: p.detach() for n, p in model.named_parameters()}
 
-    def sample_fn(self, model: nn.Module | None = None) -> Callable[..., Tensor]:
+    def sample_fn(self, model: nn.Module) -> Callable[..., Tensor]:
         """``f(params, *levels) -> (O,)`` for one unbatched sample (the torch.func peers)."""
-        model = model or self.model
 
         def f(p: dict[str, Tensor], *levels: Tensor) -> Tensor:
             out = functional_call(model, p, (self.model_input([t.unsqueeze(0) for t in levels]),))
@@ -570,8 +457,7 @@ class Cell:
     def flat(self, per_tensor: dict[str, Tensor], batch_dims: int = 0) -> Tensor:
         """Per-tensor ``(*batch, *shape)`` -> ``(*batch, P_total)`` in parameter order."""
         return torch.cat(
-            [per_tensor[n].reshape(*per_tensor[n].shape[:batch_dims], -1) for n in self.names],
-            -1,
+            [per_tensor[n].reshape(*per_tensor[n].shape[:batch_dims], -1) for n in self.names], -1
         )
 
     def select(self, full: Tensor) -> Tensor:
@@ -580,21 +466,17 @@ class Cell:
 
     def slice(self, k: int) -> Batch:
         """The first ``k`` samples as a batch of their own."""
-        b = self.batch
-        k = min(k, b.n)
-        return make_batch(
-            self, b.samples[:k], None if b.targets is None else b.targets[:k], b.out_sizes[:k]
-        )
+        b, k = self.batch, min(k, self.batch.n)
+        tg = None if b.targets is None else b.targets[:k]
+        return make_batch(self, b.samples[:k], tg, b.out_sizes[:k])
 
-
-def num_outputs_for(workload: str, spec: ModelSpec) -> int:
-    if workload == "jacnorm":
-        return 1
-    return NUM_CLASSES if spec.classifier else 0
+    def small(self) -> Batch:
+        """The warm-up and float64 slice: 3 samples of a ragged batch (3 buckets), else 2."""
+        return self.slice(CHECK_SAMPLES if self.ragged else CHECK_SAMPLES - 1)
 
 
 def make_batch(
-    cell: Cell, samples: list[list[Tensor]], targets: Tensor | None, out_sizes: list[int]
+    cell: Cell, samples: list[list[Tensor]], targets: Any, out_sizes: list[int]
 ) -> Batch:
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samples):
@@ -607,7 +489,7 @@ def make_batch(
         inputs: Any = [list(s) for s in samples]
     else:
         (only,) = buckets
-        inputs = only.levels[0] if cell.tensor_input else list(only.levels)
+        inputs = cell.model_input(only.levels)
     return Batch(samples, buckets, inputs, targets, out_sizes)
 
 
@@ -620,62 +502,46 @@ def build_cell(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> Cell:
-    """The cell's model, batch and subset: deterministic in ``seed`` (every worker builds the
+    """The cell's model, batch and subset, deterministic in ``seed`` (every worker builds the
     same one; float64 is the float32 model converted)."""
     spec = SPECS[model_name]
     device = torch.device(device)
     torch.manual_seed(seed)
-    model = spec.build(num_outputs_for(workload, spec)).eval()
-    model = model.to(device=device, dtype=dtype)
+    outputs = 1 if workload == "jacnorm" else (NUM_CLASSES if spec.classifier else 0)
+    model = spec.build(outputs).eval().to(device=device, dtype=dtype)
+    cell = Cell(workload, spec, model, device, dtype)
     n = SIZES[workload][1 if quick else 0]
-    ragged = workload == "ragged"
-    if ragged and spec.kind != "levels":
+    if cell.ragged and spec.kind != "levels":
         raise Skip(f"{model_name} takes one tensor, not a list of levels")
     g = torch.Generator().manual_seed(seed + 1)
     if spec.kind == "levels":
         assert spec.levels is not None
-        if ragged:
-            # sizes cycle through ragged_hw; the first samples have different sizes (the check
-            # slice spans several buckets), the rest are shuffled (buckets not contiguous)
+        hws = [spec.uniform_hw] * n
+        if cell.ragged:  # the first samples differ in size (the slices span several buckets),
+            # the rest shuffled (buckets not contiguous)
             rest = torch.randperm(n - CHECK_SAMPLES, generator=g) + CHECK_SAMPLES
             order = list(range(CHECK_SAMPLES)) + rest.tolist()
             hws = [spec.ragged_hw[order[i] % len(spec.ragged_hw)] for i in range(n)]
-        else:
-            hws = [spec.uniform_hw] * n
         samples = [[torch.randn(*shp, generator=g) for shp in spec.levels(*hw)] for hw in hws]
-    elif spec.kind == "tokens":
-        samples = [[torch.randn(16, 16, generator=g)] for _ in range(n)]
     else:
-        samples = [[torch.randn(3, 32, 32, generator=g)] for _ in range(n)]
+        shape = (16, 16) if spec.kind == "tokens" else (3, 32, 32)
+        samples = [[torch.randn(*shape, generator=g)] for _ in range(n)]
     samples = [[t.to(device=device, dtype=dtype) for t in s] for s in samples]
     targets = None
     if workload in ("fisher", "laplace") or (spec.classifier and workload != "jacnorm"):
         if not spec.classifier:
             raise Skip(f"{model_name} is not a classifier")
         targets = torch.randint(0, NUM_CLASSES, (n,), generator=g).to(device)
-    cell = Cell(
-        workload,
-        spec,
-        model,
-        None,
-        None,
-        device,
-        dtype,
-        ragged,  # type: ignore[arg-type]
-    )
     cell.names = [name for name, _ in model.named_parameters()]
     cell.num_params = sum(p.numel() for p in model.parameters())
-    gs = torch.Generator().manual_seed(seed + 2)
+    cell.subset = mj.ParamSubset.all(model)
     if workload in SUBSET_K:
+        gs = torch.Generator().manual_seed(seed + 2)
         idx = torch.randperm(cell.num_params, generator=gs)[: SUBSET_K[workload]]
         cell.subset = mj.ParamSubset.from_flat_indices(model, idx)
         cell.cols = idx.to(device)
-    else:
-        cell.subset = mj.ParamSubset.all(model)
-    out_sizes = []
     with torch.no_grad():
-        for s in samples:
-            out_sizes.append(cell.forward(model, [t.unsqueeze(0) for t in s]).shape[1])
+        out_sizes = [cell.forward(model, [t[None] for t in s]).shape[1] for s in samples]
     cell.batch = make_batch(cell, samples, targets, out_sizes)
     return cell
 
@@ -689,7 +555,6 @@ def cell_summary(cell: Cell) -> dict[str, Any]:
         "N": b.n,
         "O": b.o_max,
         "O_min": min(b.out_sizes),
-        "O_mean": sum(b.out_sizes) / b.n,
         "P": cell.subset.numel,
         "params_total": cell.num_params,
         "shape_buckets": len(b.buckets),
@@ -698,14 +563,14 @@ def cell_summary(cell: Cell) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the training step
-def loss_of(cell: Cell, out: Tensor, targets: Tensor | None) -> Tensor:
+def loss_of(out: Tensor, targets: Tensor | None) -> Tensor:
     """CrossEntropy (sum) for classifiers with labels, else half the sum of squared outputs."""
     if targets is not None:
         return F.cross_entropy(out, targets, reduction="sum")
     return 0.5 * out.pow(2).sum()
 
 
-def prepare_train_step(cell: Cell) -> Callable[[Batch], None]:
+def train_step(cell: Cell, _model: nn.Module) -> Run:
     """Forward, loss, backward (one per shape bucket), SGD step, zero_grad on a train-mode
     copy of the model."""
     model = copy.deepcopy(cell.model).train()
@@ -713,9 +578,8 @@ def prepare_train_step(cell: Cell) -> Callable[[Batch], None]:
 
     def run(batch: Batch) -> None:
         for b in batch.buckets:
-            out = cell.forward(model, b.levels)
             t = None if batch.targets is None else batch.targets[b.indices]
-            loss_of(cell, out, t).backward()
+            loss_of(cell.forward(model, b.levels), t).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -724,12 +588,31 @@ def prepare_train_step(cell: Cell) -> Callable[[Batch], None]:
 
 # ---------------------------------------------------------------------- shared pieces
 Run = Callable[[Batch], Any]  # a prepared method: a batch -> its result (see ``compare``)
+Prepare = Callable[[Cell, nn.Module], Run]
 
 
-def zeros_jacobian(cell: Cell, batch: Batch) -> Tensor:
-    return torch.zeros(
-        batch.n, batch.o_max, cell.subset.numel, dtype=cell.dtype, device=cell.device
-    )
+class Sink:
+    """Where a method puts per-sample results ``(n, [O,] P_total)``: the Jacobian ``(N, O, P)``
+    (the subset's columns) of the Jacobian workloads and Laplace, the Fisher's mean of squares,
+    the Jacobian norm's sum."""
+
+    def __init__(self, cell: Cell, batch: Batch) -> None:
+        self.cell, self.n = cell, batch.n
+        shape = (
+            (batch.n, batch.o_max, cell.subset.numel) if cell.jacobian_like else (cell.num_params,)
+        )
+        self.value = torch.zeros(shape, dtype=cell.dtype, device=cell.device)
+
+    def add(self, idx: Any, t: Tensor, row: int | None = None) -> None:
+        if not self.cell.jacobian_like:
+            self.value += (t**2 if self.cell.workload == "fisher" else t).sum(0)
+        elif row is None:
+            self.value[idx, : t.shape[1]] = self.cell.select(t)
+        else:
+            self.value[idx, row] = self.cell.select(t)
+
+    def result(self) -> Tensor:
+        return self.value / self.n if self.cell.workload == "fisher" else self.value
 
 
 def ggn(jac: Tensor, logits: Tensor) -> Tensor:
@@ -740,37 +623,36 @@ def ggn(jac: Tensor, logits: Tensor) -> Tensor:
 
 
 def activation_numels(cell: Cell) -> tuple[int, int]:
-    """``(max, sum)`` of the leaf modules' output sizes on the largest sample (estimates)."""
+    """``(max, sum)`` of the leaf modules' output sizes on the largest sample."""
     sizes: list[int] = []
-    hooks = [
-        m.register_forward_hook(
-            lambda _m, _i, out: sizes.extend(t.numel() for t in tree_leaves(out))
-        )
-        for m in cell.model.modules()
-        if not list(m.children())
-    ]
+    hook = lambda _m, _i, out: sizes.extend(t.numel() for t in tree_leaves(out))  # noqa: E731
+    leaves = [m for m in cell.model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
     i = max(range(cell.batch.n), key=lambda k: cell.batch.out_sizes[k])
     try:
         with torch.no_grad():
-            cell.forward(cell.model, [t.unsqueeze(0) for t in cell.batch.samples[i]])
+            cell.forward(cell.model, [t[None] for t in cell.batch.samples[i]])
     finally:
-        for h in hooks:
+        for h in handles:
             h.remove()
     return max(sizes, default=1), sum(sizes)
 
 
-def lanes_estimate(cell: Cell, batch: Batch, lanes_per_sample: int | None = None) -> int:
+def lanes_estimate(cell: Cell, batch: Batch) -> int:
     """Bytes of a vectorised backward with one lane per output row through a whole bucket
     (``autograd.functional.jacobian(vectorize=True)``, curvlinops' transposed Jacobian): about
-    six of the largest layer's ``(lanes, N_b, ...)`` tensors at once (bench_fisher's measured
-    rule) plus the ``(lanes, P)`` Jacobian three times."""
-    act_max, _ = activation_numels(cell)
+    six of the largest layer's ``(lanes, N_b, ...)`` tensors (bench_fisher's measured rule) plus
+    the ``(lanes, P)`` Jacobian three times; the Fisher has one lane per sample; the Jacobian
+    norm keeps every layer's output for its second backward."""
+    act_max, act_sum = activation_numels(cell)
     item = torch.empty((), dtype=cell.dtype).element_size()
     worst = 0
     for b in batch.buckets:
         nb = len(b.indices)
-        o = lanes_per_sample or batch.out_sizes[b.indices[0]]
-        lanes = nb * o
+        if cell.workload == "jacnorm":
+            worst = max(worst, nb * nb * act_sum * item * 2 + nb * cell.num_params * item * 3)
+            continue
+        lanes = nb * (1 if cell.workload == "fisher" else batch.out_sizes[b.indices[0]])
         worst = max(worst, lanes * nb * act_max * item * 6 + lanes * cell.num_params * item * 3)
     return worst
 
@@ -791,42 +673,253 @@ def _import(module: str, what: str) -> Any:
     return importlib.import_module(module)
 
 
-def _backpack_model(cell: Cell, model: nn.Module) -> tuple[Any, nn.Module]:
-    bp = _import("backpack", "BackPACK")
-    return bp, bp.extend(copy.deepcopy(model))
+def _reuses_modules(cell: Cell) -> bool:
+    """Whether a forward calls some module more than once (a head shared over levels)."""
+    calls: dict[int, int] = {}
+    hook = lambda m, _i, _o: calls.__setitem__(id(m), calls.get(id(m), 0) + 1)  # noqa: E731
+    handles = [m.register_forward_hook(hook) for m in cell.model.modules()]
+    try:
+        with torch.no_grad():
+            cell.forward(cell.model, [t[None] for t in cell.batch.samples[0]])
+    finally:
+        for h in handles:
+            h.remove()
+    return max(calls.values(), default=1) > 1
 
 
-def _clear_backpack(model: nn.Module) -> None:
-    for p in model.parameters():
+def _clear(params: Sequence[nn.Parameter]) -> None:
+    """Drop ``.grad`` and what BackPACK and Opacus store on the parameters."""
+    for p in params:
         p.grad = None
+        p.grad_sample = None
         for attr in ("grad_batch", "sum_grad_squared"):
             if hasattr(p, attr):
                 delattr(p, attr)
 
 
-def _opacus_module(model: nn.Module) -> tuple[nn.Module, list[nn.Parameter], str]:
-    opacus = _import("opacus", "Opacus")
-    note = "GradSampleModule(strict=True)"
+# ---------------------------------------------------------------------- the peers
+REUSED = "a module is applied more than once per forward (shared over levels); its hooks keep one"
+NO_SECOND = "no per-sample second derivatives (the regulariser's gradient needs them)"
+
+
+def _per_sample(cell: Cell, model: nn.Module) -> Callable[..., dict[str, Tensor]]:
+    """``h(params, label, *levels)`` for one sample: its Jacobian (per tensor, ``(O, *shape)``),
+    the gradient of its log-likelihood (fisher) or of its squared Jacobian norm (jacnorm)."""
+    f = cell.sample_fn(model)
+    if cell.workload == "fisher":
+
+        def nll(p: dict[str, Tensor], y: Tensor, *levels: Tensor) -> Tensor:
+            return F.cross_entropy(f(p, *levels)[None], y[None], reduction="sum")
+
+        return grad(nll)
+    if cell.workload == "jacnorm":
+
+        def sq_norm(p: dict[str, Tensor], _y: Tensor, *levels: Tensor) -> Tensor:
+            return sum((j**2).sum() for j in jacrev(f)(p, *levels).values())
+
+        return grad(sq_norm)
+    return jacrev(lambda p, _y, *levels: f(p, *levels))
+
+
+def loop_func(cell: Cell, model: nn.Module) -> Run:
+    """A Python loop over the samples of :func:`_per_sample`."""
+    h, params, dims = _per_sample(cell, model), cell.params(model), int(cell.jacobian_like)
+
+    def run(batch: Batch) -> Tensor:
+        sink = Sink(cell, batch)
+        for i, s in enumerate(batch.samples):
+            sink.add([i], cell.flat(h(params, batch.labels(i), *s), dims)[None])
+        return sink.result()
+
+    return run
+
+
+def vmap_chunks(cell: Cell, model: nn.Module) -> Run:
+    """``vmap`` of :func:`_per_sample` in chunks, per shape bucket."""
+    h, params, dims = _per_sample(cell, model), cell.params(model), int(cell.jacobian_like) + 1
+    item = torch.empty((), dtype=cell.dtype).element_size()
+
+    def run(batch: Batch) -> Tensor:
+        sink = Sink(cell, batch)
+        for b in batch.buckets:
+            vh = vmap(h, in_dims=(None, 0, *[0] * len(b.levels)))
+            c = FISHER_VMAP_CHUNK
+            if cell.jacobian_like:
+                o = batch.out_sizes[b.indices[0]]
+                c = max(1, min(VMAP_CHUNK, CHUNK_BYTES // max(1, o * cell.num_params * item)))
+            for s in range(0, len(b.indices), c):
+                idx = b.indices[s : s + c]
+                out = vh(params, batch.labels(idx), *[t[s : s + c] for t in b.levels])
+                sink.add(idx, cell.flat(out, dims))
+        return sink.result()
+
+    return run
+
+
+def _scalar_chunks(cell: Cell, model: nn.Module, batch: Batch):
+    """jacnorm peers: ``(grad of the scalar output, params, chunks of levels)``."""
+    f = cell.sample_fn(model)
+    g1 = grad(lambda p, *levels: f(p, *levels).sum())
+    chunks = [
+        [t[s : s + VMAP_CHUNK] for t in b.levels]
+        for b in batch.buckets
+        for s in range(0, len(b.indices), VMAP_CHUNK)
+    ]
+    return g1, cell.params(model), chunks
+
+
+def vmap_double_bwd(cell: Cell, model: nn.Module) -> Run:
+    """bench_jacnorm's ``vmap_grad_chunks``: ``grad`` of the squared norm of ``vmap(grad)``."""
+
+    def run(batch: Batch) -> Tensor:
+        g1, params, chunks = _scalar_chunks(cell, model, batch)
+        acc = {n: torch.zeros_like(p) for n, p in params.items()}
+        for lv in chunks:
+
+            def sq_norm(p: dict[str, Tensor], lv: list[Tensor] = lv) -> Tensor:
+                per = vmap(g1, in_dims=(None, *[0] * len(lv)))(p, *lv)
+                return sum((g**2).sum() for g in per.values())
+
+            for n, g in grad(sq_norm)(params).items():
+                acc[n] += g
+        return cell.flat(acc)
+
+    return run
+
+
+def fwd_over_rev(cell: Cell, model: nn.Module) -> Run:
+    """bench_jacnorm's ``fwd_over_rev``: ``2 sum_i H_i g_i`` with ``jvp`` of ``grad``."""
+
+    def run(batch: Batch) -> Tensor:
+        g1, params, chunks = _scalar_chunks(cell, model, batch)
+        acc = {n: torch.zeros_like(p) for n, p in params.items()}
+        for lv in chunks:
+
+            def hvp(gi: dict[str, Tensor], *x: Tensor) -> dict[str, Tensor]:
+                return jvp(lambda p: g1(p, *x), (params,), (gi,))[1]
+
+            gs = vmap(g1, in_dims=(None, *[0] * len(lv)))(params, *lv)
+            for n, h in vmap(hvp)(gs, *lv).items():
+                acc[n] += 2 * h.sum(0)
+        return cell.flat(acc)
+
+    return run
+
+
+def autograd_jacobian(cell: Cell, model: nn.Module) -> Run:
+    """``torch.autograd.functional.jacobian(vectorize=True)`` per bucket: of the outputs, of the
+    log-likelihoods (fisher: the EWC code users write), or with ``create_graph`` and a second
+    ``autograd.grad`` of the squared sum (jacnorm)."""
+    g, w = functional_forward(cell, model), cell.workload
+    ps = tuple(p.detach() for p in model.parameters())
+
+    def run(batch: Batch) -> Tensor:
+        sink = Sink(cell, batch)
+        for b in batch.buckets:
+            y = batch.labels(b.indices)
+
+            def vec(*q: Tensor, lv: list[Tensor] = b.levels, y: Tensor = y) -> Tensor:
+                out = g(q, lv)
+                return (
+                    out.log_softmax(1).gather(1, y[:, None])[:, 0]
+                    if w == "fisher"
+                    else out.reshape(-1)
+                )
+
+            leaves = tuple(p.clone().requires_grad_(True) for p in ps) if w == "jacnorm" else ps
+            jac = torch.autograd.functional.jacobian(
+                vec, leaves, vectorize=True, create_graph=w == "jacnorm"
+            )
+            rows = torch.cat([j.reshape(j.shape[0], -1) for j in jac], 1)
+            if w == "jacnorm":
+                gs = torch.autograd.grad(rows.pow(2).sum(), leaves, allow_unused=True)
+                sink.add(None, flat_grads(ps, gs)[None])
+            else:
+                sink.add(
+                    b.indices,
+                    rows.reshape(len(b.indices), -1, rows.shape[1]) if cell.jacobian_like else rows,
+                )
+        return sink.result()
+
+    return run
+
+
+def backpack(cell: Cell, model: nn.Module) -> Run:
+    """BackPACK: ``BatchGrad``, one backward per output row; fisher: ``SumGradSquared``."""
+    if cell.workload == "jacnorm":
+        raise Skip(f"BackPACK: {NO_SECOND}")
+    if _reuses_modules(cell):
+        raise Skip(f"BackPACK: {REUSED}")
+    bp = _import("backpack", "BackPACK")
+    from backpack.extensions import BatchGrad, SumGradSquared
+
+    ext, lossfunc = bp.extend(copy.deepcopy(model)), bp.extend(nn.CrossEntropyLoss(reduction="sum"))
+    params = list(ext.parameters())
+
+    def run(batch: Batch) -> Tensor:
+        sink = Sink(cell, batch)
+        for b in batch.buckets:
+            nb, o, y = len(b.indices), batch.out_sizes[b.indices[0]], cell.forward(ext, b.levels)
+            if cell.workload == "fisher":
+                with bp.backpack(SumGradSquared()):
+                    lossfunc(y, batch.targets[b.indices]).backward()
+                sink.value += torch.cat([p.sum_grad_squared.reshape(-1) for p in params])
+                _clear(params)
+                continue
+            for r in range(o):
+                keep = r < o - 1  # BackPACK frees the stored module IO unless told not to
+                with bp.backpack(BatchGrad(), retain_graph=keep):
+                    y[:, r].sum().backward(retain_graph=keep)
+                if not all(hasattr(p, "grad_batch") for p in params):
+                    raise Skip("BackPACK has no BatchGrad rule for a module holding parameters")
+                sink.add(b.indices, torch.cat([p.grad_batch.reshape(nb, -1) for p in params], 1), r)
+                _clear(params)
+        return sink.result()
+
+    return run
+
+
+def opacus(cell: Cell, model: nn.Module) -> Run:
+    """Opacus ``GradSampleModule``: a forward and backward per output row (it pops its
+    activations in the backward); fisher: per-sample gradients of the loss, squared."""
+    if cell.workload == "jacnorm":
+        raise Skip(f"Opacus: {NO_SECOND}")
+    if _reuses_modules(cell):
+        raise Skip(f"Opacus: {REUSED}")
+    op = _import("opacus", "Opacus")
+    if any(True for _ in model.buffers()):
+        raise Skip("Opacus does not support layers with buffers (BatchNorm)")
     try:
-        gsm = opacus.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
-    except Exception as e:  # BatchNorm etc. are refused for DP training; retry without checks
-        first = f"{type(e).__name__}: {e}"[:200]
-        gsm = opacus.GradSampleModule(copy.deepcopy(model), loss_reduction="sum", strict=False)
-        note = f"strict=True refused ({first}); ran with strict=False"
-    return gsm, list(gsm._module.parameters()), note
+        gsm = op.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
+    except Exception:  # refused for DP training: run without the checks
+        gsm = op.GradSampleModule(copy.deepcopy(model), loss_reduction="sum", strict=False)
+    params = list(gsm._module.parameters())
 
+    def run(batch: Batch) -> Tensor:
+        sink = Sink(cell, batch)
+        for b in batch.buckets:
+            nb, o = len(b.indices), batch.out_sizes[b.indices[0]]
+            for r in [None] if cell.workload == "fisher" else range(o):
+                _clear(params)
+                out = cell.forward(gsm, b.levels)
+                loss = (
+                    out[:, r].sum()
+                    if r is not None
+                    else F.cross_entropy(out, batch.targets[b.indices], reduction="sum")
+                )
+                try:
+                    loss.backward()
+                except (ValueError, NotImplementedError) as e:  # a layer it does not support
+                    raise Skip(f"Opacus: {str(e)[:120]}") from None
+                if any(p.grad_sample is None for p in params):
+                    raise RuntimeError("opacus left no grad_sample for a parameter tensor")
+                sink.add(
+                    b.indices, torch.cat([p.grad_sample.reshape(nb, -1) for p in params], 1), r
+                )
+        _clear(params)
+        return sink.result()
 
-def _grad_samples(params: list[nn.Parameter], nb: int) -> Tensor:
-    missing = [k for k, p in enumerate(params) if getattr(p, "grad_sample", None) is None]
-    if missing:
-        raise RuntimeError(f"opacus left no grad_sample for {len(missing)} parameter tensor(s)")
-    return torch.cat([p.grad_sample.reshape(nb, -1) for p in params], 1)
-
-
-def _clear_opacus(params: list[nn.Parameter]) -> None:
-    for p in params:
-        p.grad_sample = None
-        p.grad = None
+    return run
 
 
 class _Flat(nn.Module):
@@ -841,127 +934,43 @@ class _Flat(nn.Module):
         return self.cell.forward(self.model, levels)
 
 
-def _curvlinops_data(cell: Cell, b: Bucket, targets: Tensor | None) -> tuple[Any, Any, Any]:
-    x: Any = b.levels[0] if cell.tensor_input else {str(k): t for k, t in enumerate(b.levels)}
-    y = targets if targets is not None else torch.zeros(len(b.indices), device=cell.device)
-    size = (lambda v: v.shape[0]) if cell.tensor_input else (lambda v: v["0"].shape[0])
-    return x, y, size
-
-
-# ---------------------------------------------------------------------- Jacobian workloads
-def jac_loop_func(cell: Cell, model: nn.Module) -> Run:
-    f, params = cell.sample_fn(model), cell.params(model)
-    jf = jacrev(f)
-
-    def run(batch: Batch) -> Tensor:
-        out = zeros_jacobian(cell, batch)
-        for i, s in enumerate(batch.samples):
-            out[i, : batch.out_sizes[i]] = cell.select(cell.flat(jf(params, *s), 1))
-        return out
-
-    return run
-
-
-def _chunk_for(cell: Cell, o: int) -> int:
-    item = torch.empty((), dtype=cell.dtype).element_size()
-    return max(1, min(VMAP_CHUNK, CHUNK_BYTES // max(1, o * cell.num_params * item)))
-
-
-def jac_vmap_chunks(cell: Cell, model: nn.Module) -> Run:
-    f, params = cell.sample_fn(model), cell.params(model)
-
-    def run(batch: Batch) -> Tensor:
-        out = zeros_jacobian(cell, batch)
-        for b in batch.buckets:
-            o = batch.out_sizes[b.indices[0]]
-            vf = vmap(jacrev(f), in_dims=(None, *[0] * len(b.levels)))
-            c = _chunk_for(cell, o)
-            for s in range(0, len(b.indices), c):
-                jac = vf(params, *[t[s : s + c] for t in b.levels])
-                out[b.indices[s : s + c], :o] = cell.select(cell.flat(jac, 2))
-        return out
-
-    return run
-
-
-def jac_autograd(cell: Cell, model: nn.Module) -> Run:
-    g = functional_forward(cell, model)
-    ps = tuple(p.detach() for p in model.parameters())
-
-    def run(batch: Batch) -> Tensor:
-        out = zeros_jacobian(cell, batch)
-        for b in batch.buckets:
-            nb, o = len(b.indices), batch.out_sizes[b.indices[0]]
-            jac = torch.autograd.functional.jacobian(
-                lambda *q, lv=b.levels: g(q, lv).reshape(-1), ps, vectorize=True
-            )
-            full = torch.cat([j.reshape(nb * o, -1) for j in jac], 1).reshape(nb, o, -1)
-            out[b.indices, :o] = cell.select(full)
-        return out
-
-    return run
-
-
-def jac_backpack(cell: Cell, model: nn.Module) -> Run:
-    bp, ext = _backpack_model(cell, model)
-    from backpack.extensions import BatchGrad
-
-    params = list(ext.parameters())
-
-    def run(batch: Batch) -> Tensor:
-        out = zeros_jacobian(cell, batch)
-        for b in batch.buckets:
-            nb, o = len(b.indices), batch.out_sizes[b.indices[0]]
-            y = cell.forward(ext, b.levels)
-            for r in range(o):
-                keep = r < o - 1  # BackPACK frees the stored module IO unless told not to
-                with bp.backpack(BatchGrad(), retain_graph=keep):
-                    y[:, r].sum().backward(retain_graph=keep)
-                g = torch.cat([p.grad_batch.reshape(nb, -1) for p in params], 1)
-                out[b.indices, r] = cell.select(g)
-                _clear_backpack(ext)
-        return out
-
-    return run
-
-
-def jac_opacus(cell: Cell, model: nn.Module) -> Run:
-    gsm, params, _ = _opacus_module(model)
-
-    def run(batch: Batch) -> Tensor:
-        out = zeros_jacobian(cell, batch)
-        for b in batch.buckets:
-            nb, o = len(b.indices), batch.out_sizes[b.indices[0]]
-            for r in range(o):  # opacus pops its activations in backward: a forward per row
-                _clear_opacus(params)
-                cell.forward(gsm, b.levels)[:, r].sum().backward()
-                out[b.indices, r] = cell.select(_grad_samples(params, nb))
-        _clear_opacus(params)
-        return out
-
-    return run
-
-
-def jac_curvlinops(cell: Cell, model: nn.Module) -> Run:
+def curvlinops(cell: Cell, model: nn.Module) -> Run:
+    """curvlinops: ``JacobianLinearOperator`` @ one-hot columns (subset),
+    ``TransposedJacobianLinearOperator`` @ identity (jacobian, ragged), the subset submatrix of
+    ``GGNLinearOperator`` @ identity (laplace)."""
+    if cell.workload in ("fisher", "jacnorm"):
+        raise Skip(
+            "curvlinops has no exact diagonal (only Hutchinson estimates, or P matvecs)"
+            if cell.workload == "fisher"
+            else "curvlinops: operators of one batch, no per-sample Jacobian-norm gradient"
+        )
     cl = _import("curvlinops", "curvlinops")
     wrapped = _Flat(cell, model)
     params = list(wrapped.parameters())
+    size = (lambda v: v.shape[0]) if cell.tensor_input else (lambda v: v["0"].shape[0])
+    kw = {"check_deterministic": False, "batch_size_fn": size}
 
     def run(batch: Batch) -> Tensor:
-        out = zeros_jacobian(cell, batch)
+        out = Sink(cell, batch).value
         for b in batch.buckets:
             nb, o = len(b.indices), batch.out_sizes[b.indices[0]]
-            x, y, size = _curvlinops_data(cell, b, None)
-            kw = {"check_deterministic": False, "num_data": nb, "batch_size_fn": size}
+            x = b.levels[0] if cell.tensor_input else {str(k): t for k, t in enumerate(b.levels)}
+            data = [(x, batch.labels(b.indices))]
+            if cell.workload == "laplace":
+                idx = [int(i) for i in cell.cols.tolist()]  # type: ignore[union-attr]
+                loss = nn.CrossEntropyLoss(reduction="sum")
+                op = cl.GGNLinearOperator(wrapped, loss, params, data, num_data=nb, **kw)
+                eye = torch.eye(len(idx), dtype=cell.dtype, device=cell.device)
+                return cl.SubmatrixLinearOperator(op, idx, idx) @ eye
             if cell.cols is not None:  # J @ one-hot columns of the subset (forward mode)
-                op = cl.JacobianLinearOperator(wrapped, params, [(x, y)], **kw)
+                op = cl.JacobianLinearOperator(wrapped, params, data, num_data=nb, **kw)
                 e = torch.zeros(
                     cell.num_params, len(cell.cols), dtype=cell.dtype, device=cell.device
                 )
                 e[cell.cols, torch.arange(len(cell.cols), device=cell.device)] = 1
                 out[b.indices, :o] = (op @ e).reshape(nb, o, -1)
             else:  # J^T @ identity (one vector-Jacobian product per output row)
-                op = cl.TransposedJacobianLinearOperator(wrapped, params, [(x, y)], **kw)
+                op = cl.TransposedJacobianLinearOperator(wrapped, params, data, num_data=nb, **kw)
                 eye = torch.eye(nb * o, dtype=cell.dtype, device=cell.device)
                 out[b.indices, :o] = (op @ eye).T.reshape(nb, o, -1)
         return out
@@ -969,344 +978,68 @@ def jac_curvlinops(cell: Cell, model: nn.Module) -> Run:
     return run
 
 
-def jac_library(
-    strategy: str | None = None, mode: str | None = None, entries: str | None = None
-) -> Callable[[Cell, nn.Module], Run]:
-    """``per_sample_jacobian`` with defaults (all None), or a forced route (``strict=True``)."""
-    kw: dict[str, Any] = {}
-    if strategy is not None:
-        kw = {"strategy": strategy, "mode": mode, "strict": True}
-        if entries is not None:
-            kw["entries"] = entries
+def with_ggn(prep: Prepare) -> Prepare:
+    """laplace: a Jacobian peer, then what a user adds: the logits and ``J^T Lambda J``."""
 
-    def prep(cell: Cell, model: nn.Module) -> Run:
-        if strategy == "vmap" and cell.ragged:
-            raise Skip("strategy='vmap' needs one shape signature (a ragged batch has several)")
-        params = {} if cell.cols is None else {"params": cell.subset}
+    def wrapped(cell: Cell, model: nn.Module) -> Run:
+        jac_run = prep(cell, model)
 
-        def run(batch: Batch) -> Any:
-            res = mj.per_sample_jacobian(model, batch.inputs, **params, **kw)
-            return LibraryResult(res.jacobian, _jacobian_info(res))
+        def run(batch: Batch) -> Tensor:
+            logits = torch.zeros(batch.n, batch.o_max, dtype=cell.dtype, device=cell.device)
+            with torch.no_grad():
+                for b in batch.buckets:
+                    logits[b.indices] = cell.forward(model, b.levels)
+            return ggn(jac_run(batch), logits)
 
         return run
 
-    return prep
+    return wrapped
 
 
+# ---------------------------------------------------------------------- the library
 @dataclass
 class LibraryResult:
     value: Any
     info: dict[str, Any]
 
 
-def _jacobian_info(res: Any) -> dict[str, Any]:
-    info = {
-        "strategy": str(res.strategy),
-        "mode": str(res.mode),
-        "structured": list(getattr(res, "structured", ()) or ()),
-        "chunk_size": getattr(res, "chunk_size", None),
-    }
-    if getattr(res, "fallback", None):
-        info["fallback"] = str(res.fallback)
-    notes = [str(n) for n in getattr(res, "notes", ()) or ()]
-    if notes:
-        info["notes"] = [n[:200] for n in notes[:6]]
-    return info
-
-
-# ---------------------------------------------------------------------- the Fisher
-def _log_lik_sum(cell: Cell, model: nn.Module) -> Callable[..., Tensor]:
-    g = functional_forward(cell, model)
-
-    def nll(ps: Sequence[Tensor], levels: Sequence[Tensor], y: Tensor) -> Tensor:
-        return F.cross_entropy(g(ps, levels), y, reduction="sum")
-
-    return nll
-
-
-def fisher_loop_func(cell: Cell, model: nn.Module) -> Run:
-    f, params = cell.sample_fn(model), cell.params(model)
-
-    def nll(p: dict[str, Tensor], y: Tensor, *levels: Tensor) -> Tensor:
-        return F.cross_entropy(f(p, *levels).unsqueeze(0), y.unsqueeze(0), reduction="sum")
-
-    gf = grad(nll)
-
-    def run(batch: Batch) -> Tensor:
-        acc = torch.zeros(cell.num_params, dtype=cell.dtype, device=cell.device)
-        for i, s in enumerate(batch.samples):
-            acc += cell.flat(gf(params, batch.targets[i], *s)) ** 2
-        return acc / batch.n
-
-    return run
-
-
-def fisher_vmap_chunks(cell: Cell, model: nn.Module) -> Run:
-    f, params = cell.sample_fn(model), cell.params(model)
-
-    def nll(p: dict[str, Tensor], y: Tensor, *levels: Tensor) -> Tensor:
-        return F.cross_entropy(f(p, *levels).unsqueeze(0), y.unsqueeze(0), reduction="sum")
-
-    def run(batch: Batch) -> Tensor:
-        acc = {n: torch.zeros_like(p) for n, p in params.items()}
-        for b in batch.buckets:
-            vf = vmap(grad(nll), in_dims=(None, 0, *[0] * len(b.levels)))
-            y = batch.targets[b.indices]
-            for s in range(0, len(b.indices), FISHER_VMAP_CHUNK):
-                sl = slice(s, s + FISHER_VMAP_CHUNK)
-                for n, t in vf(params, y[sl], *[t[sl] for t in b.levels]).items():
-                    acc[n] += (t**2).sum(0)
-        return cell.flat(acc) / batch.n
-
-    return run
-
-
-def fisher_autograd(cell: Cell, model: nn.Module) -> Run:
-    """The EWC code users write: the Jacobian of the (N,) log-likelihoods (bench_fisher's)."""
-    g = functional_forward(cell, model)
-    ps = tuple(p.detach() for p in model.parameters())
-
-    def run(batch: Batch) -> Tensor:
-        acc = torch.zeros(cell.num_params, dtype=cell.dtype, device=cell.device)
-        for b in batch.buckets:
-            y = batch.targets[b.indices]
-
-            def loglik(*q: Tensor, lv: list[Tensor] = b.levels, y: Tensor = y) -> Tensor:
-                return torch.log_softmax(g(q, lv), 1).gather(1, y.unsqueeze(1)).squeeze(1)
-
-            jac = torch.autograd.functional.jacobian(loglik, ps, vectorize=True)
-            acc += torch.cat([(j**2).sum(0).reshape(-1) for j in jac])
-        return acc / batch.n
-
-    return run
-
-
-def fisher_backpack(cell: Cell, model: nn.Module) -> Run:
-    bp, ext = _backpack_model(cell, model)
-    from backpack.extensions import SumGradSquared
-
-    lossfunc = bp.extend(nn.CrossEntropyLoss(reduction="sum"))
-    params = list(ext.parameters())
-
-    def run(batch: Batch) -> Tensor:
-        acc = torch.zeros(cell.num_params, dtype=cell.dtype, device=cell.device)
-        for b in batch.buckets:
-            loss = lossfunc(cell.forward(ext, b.levels), batch.targets[b.indices])
-            with bp.backpack(SumGradSquared()):
-                loss.backward()
-            acc += torch.cat([p.sum_grad_squared.reshape(-1) for p in params])
-            _clear_backpack(ext)
-        return acc / batch.n
-
-    return run
-
-
-def fisher_opacus(cell: Cell, model: nn.Module) -> Run:
-    gsm, params, _ = _opacus_module(model)
-
-    def run(batch: Batch) -> Tensor:
-        acc = torch.zeros(cell.num_params, dtype=cell.dtype, device=cell.device)
-        for b in batch.buckets:
-            _clear_opacus(params)
-            out = cell.forward(gsm, b.levels)
-            F.cross_entropy(out, batch.targets[b.indices], reduction="sum").backward()
-            acc += (_grad_samples(params, len(b.indices)) ** 2).sum(0)
-        _clear_opacus(params)
-        return acc / batch.n
-
-    return run
-
-
-def fisher_library(method: str | None = None) -> Callable[[Cell, nn.Module], Run]:
-    kw: dict[str, Any] = {} if method is None else {"method": method, "strict": True}
+def library(**kw: str) -> Prepare:
+    """The library's entry point for the cell's workload, with defaults (no ``kw``) or a forced
+    route (``kw`` and ``strict=True``): ``per_sample_jacobian``, ``diag_fisher``,
+    ``jacobian_sq_norm(...).backward()``, ``SubnetLaplace(...).fit``."""
+    opts: dict[str, Any] = {**kw, "strict": True} if kw else {}
 
     def prep(cell: Cell, model: nn.Module) -> Run:
-        def run(batch: Batch) -> Any:
-            res = mj.diag_fisher(model, [(batch.inputs, batch.targets)], **kw)
-            return LibraryResult(
-                res.flat,
-                {"method": str(res.method), "plan": _count(res.plan), "notes": list(res.notes)[:4]},
-            )
-
-        return run
-
-    return prep
-
-
-def _count(plan: dict[str, Any]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for v in (plan or {}).values():
-        counts[str(v)] = counts.get(str(v), 0) + 1
-    return counts
-
-
-# ---------------------------------------------------------------------- Jacobian norm
-def _scalar_fn(cell: Cell, model: nn.Module) -> Callable[..., Tensor]:
-    f = cell.sample_fn(model)
-    return lambda p, *levels: f(p, *levels).sum()  # one output per sample
-
-
-def jacnorm_loop_func(cell: Cell, model: nn.Module) -> Run:
-    f, params = cell.sample_fn(model), cell.params(model)
-
-    def sq_norm(p: dict[str, Tensor], *levels: Tensor) -> Tensor:
-        return sum((j**2).sum() for j in jacrev(f)(p, *levels).values())
-
-    gf = grad(sq_norm)
-
-    def run(batch: Batch) -> Tensor:
-        acc = torch.zeros(cell.num_params, dtype=cell.dtype, device=cell.device)
-        for s in batch.samples:
-            acc += cell.flat(gf(params, *s))
-        return acc
-
-    return run
-
-
-def jacnorm_vmap_double_bwd(cell: Cell, model: nn.Module) -> Run:
-    """bench_jacnorm's ``vmap_grad_chunks``: grad of the squared norm of ``vmap(grad)``."""
-    fs, params = _scalar_fn(cell, model), cell.params(model)
-
-    def run(batch: Batch) -> Tensor:
-        acc = {n: torch.zeros_like(p) for n, p in params.items()}
-        for b in batch.buckets:
-            per_sample = vmap(grad(fs), in_dims=(None, *[0] * len(b.levels)))
-
-            def sq_norm(p: dict[str, Tensor], *lv: Tensor, ps: Any = per_sample) -> Tensor:
-                return sum((g**2).sum() for g in ps(p, *lv).values())
-
-            for s in range(0, len(b.indices), VMAP_CHUNK):
-                chunk = [t[s : s + VMAP_CHUNK] for t in b.levels]
-                for n, g in grad(sq_norm)(params, *chunk).items():
-                    acc[n] += g
-        return cell.flat(acc)
-
-    return run
-
-
-def jacnorm_fwd_over_rev(cell: Cell, model: nn.Module) -> Run:
-    """bench_jacnorm's ``fwd_over_rev``: ``2 sum_i H_i g_i`` with ``jvp`` of ``grad``."""
-    fs, params = _scalar_fn(cell, model), cell.params(model)
-    g_single = grad(fs)
-
-    def run(batch: Batch) -> Tensor:
-        acc = {n: torch.zeros_like(p) for n, p in params.items()}
-        for b in batch.buckets:
-            dims = (None, *[0] * len(b.levels))
-
-            def hvp(gi: dict[str, Tensor], *lv: Tensor) -> dict[str, Tensor]:
-                return jvp(lambda p: g_single(p, *lv), (params,), (gi,))[1]
-
-            for s in range(0, len(b.indices), VMAP_CHUNK):
-                chunk = [t[s : s + VMAP_CHUNK] for t in b.levels]
-                gs = vmap(g_single, in_dims=dims)(params, *chunk)
-                for n, h in vmap(hvp)(gs, *chunk).items():
-                    acc[n] += 2 * h.sum(0)
-        return cell.flat(acc)
-
-    return run
-
-
-def jacnorm_autograd(cell: Cell, model: nn.Module) -> Run:
-    g = functional_forward(cell, model)
-    ps = tuple(p.detach() for p in model.parameters())
-
-    def run(batch: Batch) -> Tensor:
-        acc = torch.zeros(cell.num_params, dtype=cell.dtype, device=cell.device)
-        for b in batch.buckets:
-            leaves = tuple(p.clone().requires_grad_(True) for p in ps)
-            jac = torch.autograd.functional.jacobian(
-                lambda *q, lv=b.levels: g(q, lv).reshape(-1),
-                leaves,
-                vectorize=True,
-                create_graph=True,
-            )
-            s = sum((j**2).sum() for j in jac)
-            gs = torch.autograd.grad(s, leaves, allow_unused=True)
-            acc += torch.cat(
-                [(torch.zeros_like(p) if h is None else h).reshape(-1) for p, h in zip(ps, gs)]
-            )
-        return acc
-
-    return run
-
-
-def jacnorm_library(method: str | None = None) -> Callable[[Cell, nn.Module], Run]:
-    kw: dict[str, Any] = {} if method is None else {"method": method, "strict": True}
-
-    def prep(cell: Cell, model: nn.Module) -> Run:
+        w = cell.workload
+        if kw.get("strategy") == "vmap" and cell.ragged:
+            raise Skip("strategy='vmap' needs one shape signature (a ragged batch has several)")
+        subset = {} if cell.cols is None else {"params": cell.subset}
         params = list(model.parameters())
 
-        def run(batch: Batch) -> Any:
-            model.zero_grad(set_to_none=True)
-            mj.jacobian_sq_norm(model, batch.inputs, **kw).backward()
-            out = torch.cat(
-                [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]
-            )
-            model.zero_grad(set_to_none=True)
-            return out
-
-        return run
-
-    return prep
-
-
-# ---------------------------------------------------------------------- subnetwork Laplace
-def _logits(cell: Cell, model: nn.Module, batch: Batch) -> Tensor:
-    out = torch.zeros(batch.n, batch.o_max, dtype=cell.dtype, device=cell.device)
-    with torch.no_grad():
-        for b in batch.buckets:
-            out[b.indices] = cell.forward(model, b.levels)
-    return out
-
-
-def laplace_from(jac_prep: Callable[[Cell, nn.Module], Run]) -> Callable[[Cell, nn.Module], Run]:
-    """A Jacobian peer followed by what a user adds for the subset GGN: the forward's logits
-    and ``sum_i J_i^T (diag p_i - p_i p_i^T) J_i``."""
-
-    def prep(cell: Cell, model: nn.Module) -> Run:
-        jac_run = jac_prep(cell, model)
-
-        def run(batch: Batch) -> Tensor:
-            return ggn(jac_run(batch), _logits(cell, model, batch))
-
-        return run
-
-    return prep
-
-
-def laplace_curvlinops(cell: Cell, model: nn.Module) -> Run:
-    cl = _import("curvlinops", "curvlinops")
-    wrapped = _Flat(cell, model)
-    params = list(wrapped.parameters())
-    idx = [int(i) for i in cell.cols.tolist()]  # type: ignore[union-attr]
-    eye = torch.eye(len(idx), dtype=cell.dtype, device=cell.device)
-
-    def run(batch: Batch) -> Tensor:
-        (b,) = batch.buckets
-        x, y, size = _curvlinops_data(cell, b, batch.targets)
-        op = cl.GGNLinearOperator(
-            wrapped,
-            nn.CrossEntropyLoss(reduction="sum"),
-            params,
-            [(x, y)],
-            check_deterministic=False,
-            num_data=batch.n,
-            batch_size_fn=size,
-        )
-        return cl.SubmatrixLinearOperator(op, idx, idx) @ eye
-
-    return run
-
-
-def laplace_library(entries: str | None = None) -> Callable[[Cell, nn.Module], Run]:
-    kw: dict[str, Any] = {} if entries is None else {"entries": entries, "strict": True}
-
-    def prep(cell: Cell, model: nn.Module) -> Run:
-        def run(batch: Batch) -> Any:
-            la = mj.SubnetLaplace(model, "classification", cell.subset, **kw)
-            la.fit([(batch.inputs, batch.targets)])
-            return la.H
+        def run(batch: Batch) -> LibraryResult:
+            before = mj.plan_cache_info()
+            info: dict[str, Any] = {}
+            if w in JACOBIAN_LIKE:
+                res = mj.per_sample_jacobian(model, batch.inputs, **subset, **opts)
+                value = res.jacobian
+                info = {k: str(getattr(res, k, None)) for k in ("strategy", "mode", "fallback")}
+                info["notes"] = [str(n)[:200] for n in list(getattr(res, "notes", ()) or ())[:6]]
+            elif w == "fisher":
+                res = mj.diag_fisher(model, [(batch.inputs, batch.targets)], **opts)
+                plan = {str(v) for v in (res.plan or {}).values()}
+                value, info = res.flat, {"method": str(res.method), "plan": sorted(plan)}
+            elif w == "jacnorm":
+                model.zero_grad(set_to_none=True)
+                mj.jacobian_sq_norm(model, batch.inputs, **opts).backward()
+                value = flat_grads(params, [p.grad for p in params])
+                model.zero_grad(set_to_none=True)
+            else:
+                la = mj.SubnetLaplace(model, "classification", cell.subset, **opts)
+                la.fit([(batch.inputs, batch.targets)])
+                value = la.H
+            after = mj.plan_cache_info()
+            info["probed"] = after.probed - before.probed
+            return LibraryResult(value, info)
 
         return run
 
@@ -1316,297 +1049,153 @@ def laplace_library(entries: str | None = None) -> Callable[[Cell, nn.Module], R
 # ---------------------------------------------------------------------- the method registry
 @dataclass(frozen=True)
 class Method:
-    """One method of a cell. ``kind``: ``train``, ``peer`` (what a user writes or another
+    """One method of a cell; ``kind``: ``train``, ``peer`` (what a user writes or another
     library), ``library`` (auto) or ``route`` (a forced library route)."""
 
     name: str
     kind: str
     what: str
-    prepare: Callable[[Cell, nn.Module], Run] | None = None
+    prepare: Prepare
     estimate: Callable[[Cell, Batch], int] | None = None  # bytes; not run above --max-gb
     scaling: float = 1.0  # time grows as N ** scaling (the slice-based estimate)
-    not_applicable: str | None = None
 
     @property
     def is_library(self) -> bool:
         return self.kind in ("library", "route")
 
 
-JACOBIAN_LIKE = ("jacobian", "ragged", "subset")
-
-
-def _jacnorm_estimate(cell: Cell, batch: Batch) -> int:
-    _, act_sum = activation_numels(cell)
-    item = torch.empty((), dtype=cell.dtype).element_size()
-    n = max(len(b.indices) for b in batch.buckets)
-    return n * n * act_sum * item * 2 + n * cell.num_params * item * 3
-
-
 def methods_for(workload: str) -> list[Method]:
     """Every method of a workload, in the order they are timed (peers before the library)."""
-    train = Method("train_step", "train", "forward, loss, backward, SGD step (train-mode copy)")
-    na_second = "no per-sample second derivatives (the regulariser's gradient needs them)"
-    if workload in JACOBIAN_LIKE:
-        subset = workload == "subset"
-        sel = ", then the subset's columns" if subset else ""
-        ms = [
-            Method("loop_func", "peer", f"per-sample torch.func.jacrev loop{sel}", jac_loop_func),
-            Method(
-                "vmap_chunks",
-                "peer",
-                f"vmap(jacrev) in chunks of <= {VMAP_CHUNK} per shape bucket{sel}",
-                jac_vmap_chunks,
-            ),
-            Method(
-                "autograd_jacobian",
-                "peer",
-                f"torch.autograd.functional.jacobian(vectorize=True) per shape bucket{sel}",
-                jac_autograd,
-                estimate=lanes_estimate,
-                scaling=2.0,
-            ),
-            Method(
-                "backpack",
-                "peer",
-                f"BackPACK BatchGrad, a backward per output row{sel}",
-                jac_backpack,
-            ),
-            Method(
-                "opacus", "peer", f"Opacus GradSampleModule, a pass per output row{sel}", jac_opacus
-            ),
-            Method(
-                "curvlinops",
-                "peer",
-                "curvlinops JacobianLinearOperator @ one-hot columns of the subset"
-                if subset
-                else "curvlinops TransposedJacobianLinearOperator @ identity, per shape bucket",
-                jac_curvlinops,
-                estimate=None if subset else lanes_estimate,
-                scaling=1.0 if subset else 2.0,
-            ),
-            Method(
-                "library_auto", "library", "mj.per_sample_jacobian with defaults", jac_library()
-            ),
-        ]
-        for s in ("vmap", "bucketed", "padded"):
-            for m in ("rev", "fwd"):
-                for e in ("structured", "generic") if subset else (None,):
-                    name = f"library_{s}_{m}" + (f"_{e}" if e else "")
-                    what = f"strategy={s}, mode={m}" + (f", entries={e}" if e else "")
-                    ms.append(Method(name, "route", what + ", strict=True", jac_library(s, m, e)))
-        return [train, *ms]
-    if workload == "fisher":
-        ms = [
-            Method(
-                "loop_func",
-                "peer",
-                "per-sample torch.func.grad loop, squared, summed",
-                fisher_loop_func,
-            ),
-            Method(
-                "vmap_chunks",
-                "peer",
-                f"vmap(grad) in chunks of {FISHER_VMAP_CHUNK}",
-                fisher_vmap_chunks,
-            ),
-            Method(
-                "autograd_jacobian",
-                "peer",
-                "torch.autograd.functional.jacobian(vectorize=True) of the N log-likelihoods "
-                "(the EWC code users write)",
-                fisher_autograd,
-                estimate=lambda c, b: lanes_estimate(c, b, 1),
-                scaling=2.0,
-            ),
-            Method("backpack", "peer", "BackPACK SumGradSquared", fisher_backpack),
-            Method(
-                "opacus",
-                "peer",
-                "Opacus GradSampleModule, per-sample gradients squared",
-                fisher_opacus,
-            ),
-            Method(
-                "curvlinops",
-                "peer",
-                "",
-                not_applicable=(
-                    "curvlinops has no exact diagonal (only Hutchinson estimates, or P matvecs)"
-                ),
-            ),
-            Method("library_auto", "library", "mj.diag_fisher with defaults", fisher_library()),
-            Method(
-                "library_layerwise",
-                "route",
-                "method=layerwise, strict=True",
-                fisher_library("layerwise"),
-            ),
-            Method("library_vmap", "route", "method=vmap, strict=True", fisher_library("vmap")),
-        ]
-        return [train, *ms]
+    then = {"subset": ", the subset's columns", "laplace": ", the subset's columns, J^T Lambda J"}
+    then_ = then.get(workload, "")
+    wrap = with_ggn if workload == "laplace" else (lambda p: p)
+    auto = {
+        "fisher": "mj.diag_fisher with defaults",
+        "jacnorm": "mj.jacobian_sq_norm(model, x).backward() with defaults",
+        "laplace": "mj.SubnetLaplace(model, 'classification', subset).fit(data)",
+    }.get(workload, "mj.per_sample_jacobian with defaults")
+    ms = [
+        Method("train_step", "train", "forward, loss, backward, SGD step (train copy)", train_step)
+    ]
     if workload == "jacnorm":
-        ms = [
-            Method(
-                "loop_func",
-                "peer",
-                "per sample: torch.func.grad of ||jacrev||^2",
-                jacnorm_loop_func,
-            ),
+        ms += [
+            Method("loop_func", "peer", "per sample: grad of ||jacrev||^2", loop_func),
             Method(
                 "vmap_double_bwd",
                 "peer",
-                f"grad of the squared norm of vmap(grad), {VMAP_CHUNK} samples a chunk",
-                jacnorm_vmap_double_bwd,
+                f"grad of ||vmap(grad)||^2, {VMAP_CHUNK} a chunk",
+                vmap_double_bwd,
             ),
             Method(
                 "fwd_over_rev",
                 "peer",
-                f"vmap(grad), then 2 sum_i H_i g_i by jvp of grad, {VMAP_CHUNK} a chunk",
-                jacnorm_fwd_over_rev,
-            ),
-            Method(
-                "autograd_jacobian",
-                "peer",
-                "torch.autograd.functional.jacobian(vectorize=True, create_graph=True), "
-                "squared sum, autograd.grad",
-                jacnorm_autograd,
-                estimate=_jacnorm_estimate,
-                scaling=2.0,
-            ),
-            Method("backpack", "peer", "", not_applicable=f"BackPACK: {na_second}"),
-            Method("opacus", "peer", "", not_applicable=f"Opacus: {na_second}"),
-            Method(
-                "curvlinops",
-                "peer",
-                "",
-                not_applicable=(
-                    "curvlinops: operators of one batch, no per-sample Jacobian norm gradient"
-                ),
-            ),
-            Method(
-                "library_auto",
-                "library",
-                "mj.jacobian_sq_norm(model, x).backward()",
-                jacnorm_library(),
+                f"vmap(grad), 2 sum_i H_i g_i by jvp of grad, {VMAP_CHUNK} a chunk",
+                fwd_over_rev,
             ),
         ]
-        for m in mj.JacNormMethod:  # read at run time: members may be added
-            if m.value != "auto":
-                ms.append(
-                    Method(
-                        f"library_{m.value}",
-                        "route",
-                        f"method={m.value}, strict=True",
-                        jacnorm_library(m.value),
-                    )
-                )
-        return [train, *ms]
-    if workload == "laplace":
-        then = ", the subset's columns, J^T Lambda J"
-        ms = [
-            Method(
-                "loop_func",
-                "peer",
-                f"per-sample torch.func.jacrev loop{then}",
-                laplace_from(jac_loop_func),
-            ),
+    else:
+        fn = "grad" if workload == "fisher" else "jacrev"
+        chunk = FISHER_VMAP_CHUNK if workload == "fisher" else VMAP_CHUNK
+        ms += [
+            Method("loop_func", "peer", f"per-sample torch.func.{fn} loop{then_}", wrap(loop_func)),
             Method(
                 "vmap_chunks",
                 "peer",
-                f"vmap(jacrev) in chunks{then}",
-                laplace_from(jac_vmap_chunks),
-            ),
-            Method(
-                "autograd_jacobian",
-                "peer",
-                f"torch.autograd.functional.jacobian(vectorize=True){then}",
-                laplace_from(jac_autograd),
-                estimate=lanes_estimate,
-                scaling=2.0,
-            ),
-            Method(
-                "backpack",
-                "peer",
-                f"BackPACK BatchGrad per class{then}",
-                laplace_from(jac_backpack),
-            ),
-            Method(
-                "opacus",
-                "peer",
-                f"Opacus GradSampleModule per class{then}",
-                laplace_from(jac_opacus),
-            ),
-            Method(
-                "curvlinops",
-                "peer",
-                "curvlinops GGNLinearOperator (CrossEntropyLoss sum), its subset submatrix "
-                "@ identity",
-                laplace_curvlinops,
-            ),
-            Method(
-                "library_auto",
-                "library",
-                "mj.SubnetLaplace(model, 'classification', subset).fit(data)",
-                laplace_library(),
-            ),
-            Method(
-                "library_structured",
-                "route",
-                "entries=structured, strict=True",
-                laplace_library("structured"),
-            ),
-            Method(
-                "library_generic",
-                "route",
-                "entries=generic, strict=True",
-                laplace_library("generic"),
+                f"vmap({fn}) in chunks of <= {chunk} per shape bucket{then_}",
+                wrap(vmap_chunks),
             ),
         ]
-        return [train, *ms]
-    raise ValueError(f"unknown workload {workload!r}")
+    auto_what = "torch.autograd.functional.jacobian(vectorize=True) per shape bucket" + {
+        "fisher": " of the N log-likelihoods, squared",
+        "jacnorm": " with create_graph, autograd.grad of the squared sum",
+    }.get(workload, then_)
+    ms.append(
+        Method("autograd_jacobian", "peer", auto_what, wrap(autograd_jacobian), lanes_estimate, 2.0)
+    )
+    bp = "SumGradSquared" if workload == "fisher" else "BatchGrad, a backward per output row"
+    op = "per-sample loss gradients, squared" if workload == "fisher" else "a pass per output row"
+    cl = {
+        "subset": "JacobianLinearOperator @ one-hot columns",
+        "laplace": "GGNLinearOperator, the subset's submatrix @ identity",
+    }.get(workload, "TransposedJacobianLinearOperator @ identity, per shape bucket")
+    dense = workload in ("jacobian", "ragged")
+    ms += [
+        Method("backpack", "peer", f"BackPACK {bp}{then_}", wrap(backpack)),
+        Method("opacus", "peer", f"Opacus GradSampleModule, {op}{then_}", wrap(opacus)),
+        Method(
+            "curvlinops",
+            "peer",
+            f"curvlinops {cl}",
+            curvlinops,
+            lanes_estimate if dense else None,
+            2.0 if dense else 1.0,
+        ),
+    ]
+    ms.append(Method("library_auto", "library", auto, library()))
+    if workload in JACOBIAN_LIKE:
+        routes = [
+            {"strategy": s, "mode": m, **({"entries": e} if e else {})}
+            for s in ("vmap", "bucketed", "padded")
+            for m in ("rev", "fwd")
+            for e in (("structured", "generic") if workload == "subset" else (None,))
+        ]
+    elif workload == "fisher":
+        routes = [{"method": m} for m in ("layerwise", "vmap")]
+    elif workload == "jacnorm":  # read at run time: members may be added
+        routes = [{"method": m.value} for m in mj.JacNormMethod if m.value != "auto"]
+    else:
+        routes = [{"entries": e} for e in ("structured", "generic")]
+    for kw in routes:
+        name = "library_" + "_".join(kw.values())
+        what = ", ".join(f"{k}={v}" for k, v in kw.items()) + ", strict=True"
+        ms.append(Method(name, "route", what, library(**kw)))
+    return ms
 
 
 # ---------------------------------------------------------------------- the float64 reference
 def reference(cell: Cell, batch: Batch) -> Tensor:
-    """Plain autograd, one sample and one output row at a time (independent of every method)."""
+    """Plain ``autograd.grad``, one sample at a time (rows by one-hot ``grad_outputs``, batched),
+    independent of every method."""
     params = list(cell.model.parameters())
-
-    def flat_grads(gs: Sequence[Tensor | None]) -> Tensor:
-        return torch.cat(
-            [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, gs)]
-        )
-
-    if cell.workload in JACOBIAN_LIKE or cell.workload == "laplace":
-        out = zeros_jacobian(cell, batch)
-        logits = torch.zeros(batch.n, batch.o_max, dtype=cell.dtype, device=cell.device)
-        for i, s in enumerate(batch.samples):
-            y = cell.forward(cell.model, [t.unsqueeze(0) for t in s])[0]
-            logits[i, : y.numel()] = y.detach()
-            for r in range(y.numel()):
-                gs = torch.autograd.grad(y[r], params, retain_graph=True, allow_unused=True)
-                out[i, r] = cell.select(flat_grads(gs))
-        return ggn(out, logits) if cell.workload == "laplace" else out
-    acc = torch.zeros(cell.num_params, dtype=cell.dtype, device=cell.device)
+    sink = Sink(cell, batch)
+    logits = torch.zeros(batch.n, batch.o_max, dtype=cell.dtype, device=cell.device)
     for i, s in enumerate(batch.samples):
-        y = cell.forward(cell.model, [t.unsqueeze(0) for t in s])[0]
+        y = cell.forward(cell.model, [t[None] for t in s])[0]
+        logits[i, : y.numel()] = y.detach()
         if cell.workload == "fisher":
-            logp = torch.log_softmax(y, 0)[batch.targets[i]]
-            acc += flat_grads(torch.autograd.grad(logp, params)) ** 2
-        else:  # jacnorm: grad of sum_o ||d y_o / d theta||^2
-            for r in range(y.numel()):
-                gs = torch.autograd.grad(y[r], params, create_graph=True, allow_unused=True)
-                sq = sum((g**2).sum() for g in gs if g is not None)
-                acc += flat_grads(
-                    torch.autograd.grad(sq, params, retain_graph=True, allow_unused=True)
+            logp = torch.log_softmax(y, 0)[batch.targets[i]]  # type: ignore[index]
+            sink.add(None, flat_grads(params, torch.autograd.grad(logp, params))[None])
+            continue
+        if cell.workload != "jacnorm":  # every row's gradient, one-hot grad_outputs
+            for r0 in range(0, y.numel(), 256):
+                eye = torch.eye(y.numel(), dtype=y.dtype, device=y.device)[r0 : r0 + 256]
+                gs = torch.autograd.grad(
+                    y, params, eye, retain_graph=True, allow_unused=True, is_grads_batched=True
                 )
-    return acc / batch.n if cell.workload == "fisher" else acc
+                rows = torch.cat(
+                    [
+                        (y.new_zeros(len(eye), p.numel()) if g is None else g.reshape(len(eye), -1))
+                        for p, g in zip(params, gs)
+                    ],
+                    1,
+                )
+                sink.value[i, r0 : r0 + len(eye)] = cell.select(rows)
+            continue
+        for r in range(y.numel()):  # jacnorm: grad of sum_o ||d y_o / d theta||^2
+            gs = torch.autograd.grad(
+                y[r], params, retain_graph=True, allow_unused=True, create_graph=True
+            )
+            sq = sum((g**2).sum() for g in gs if g is not None)
+            gs = torch.autograd.grad(sq, params, retain_graph=True, allow_unused=True)
+            sink.add(None, flat_grads(params, gs)[None])
+    return ggn(sink.result(), logits) if cell.workload == "laplace" else sink.result()
 
 
 def value_of(result: Any) -> Tensor:
-    return result.value if isinstance(result, LibraryResult) else result
+    return (result.value if isinstance(result, LibraryResult) else result).detach()
 
 
-def compare(result: Any, ref: Tensor) -> dict[str, Any]:
-    a = value_of(result).detach()
+def compare(a: Tensor, ref: Tensor) -> dict[str, Any]:
     if tuple(a.shape) != tuple(ref.shape):
         return {"mismatch": f"shape {tuple(a.shape)} vs reference {tuple(ref.shape)}"}
     diff = float((a.double() - ref.double()).abs().max())
@@ -1614,282 +1203,184 @@ def compare(result: Any, ref: Tensor) -> dict[str, Any]:
     return {"max_abs_diff": diff, "rel_diff": diff / scale if scale > 0 else diff}
 
 
-# ---------------------------------------------------------------------- timing (one cell)
+# ---------------------------------------------------------------------- one cell, one process
 def log(msg: str) -> None:
     """Progress to stderr (a worker's stdout carries its JSON)."""
     print(msg, file=sys.stderr, flush=True)
 
 
-def timed_once(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
+def wants(args: argparse.Namespace, name: str) -> bool:
+    return name == "train_step" or not args.methods or name in args.methods
 
 
-class TimeLimit(Exception):
-    """Raised inside a call that ran past its time limit (``time_limit``)."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`TimeLimit` in this (main) thread after ``seconds`` (SIGALRM; between two
-    Python-level steps of the call, so a long single kernel finishes first)."""
-    if not seconds or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def fire(_sig: int, _frame: Any) -> None:
-        raise TimeLimit(f"ran past {seconds:.3g} s")
-
-    old = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def time_callable(
-    fn: Callable[[], Any], *, threads: int, min_run_time: float, warm_s: float
+def bench_method(
+    cell: Cell, m: Method, args: argparse.Namespace, baseline: dict[str, Any]
 ) -> dict[str, Any]:
-    """``torch.utils.benchmark.Timer``: ``blocked_autorange(min_run_time)``, or, for a call
-    that alone takes ``min_run_time`` or more, up to three single runs (``timeit(1)``) until
-    they add up to it; the median."""
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads, label="bench_peers")
-    if warm_s >= min_run_time:
-        times: list[float] = []
-        while len(times) < 3 and (not times or sum(times) < min_run_time):
-            times.append(timer.timeit(1).median)
-        return {
-            "seconds": statistics.median(times),
-            "timing": f"Timer.timeit(1) x {len(times)} (one call >= min_run_time), median",
-            "timed_calls": len(times),
-            "times": times,
-        }
-    m = timer.blocked_autorange(min_run_time=min_run_time)
-    return {
-        "seconds": m.median,
-        "timing": f"Timer.blocked_autorange(min_run_time={min_run_time:g}), median per call",
-        "timed_calls": len(m.raw_times) * m.number_per_run,
-        "number_per_block": m.number_per_run,
-        "iqr": m.iqr,
-    }
-
-
-@dataclass
-class Settings:
-    quick: bool
-    device: torch.device
-    threads: int
-    min_run_time: float
-    method_limit: float
-    max_gb: float
-    check_tol: float
-    f32_tol: float
-    check_limit: float
-    seed: int
-    methods: list[str] | None = None  # None: all
-
-    def wants(self, name: str) -> bool:
-        return name == "train_step" or self.methods is None or name in self.methods
-
-
-def bench_method(cell: Cell, m: Method, st: Settings, baseline: dict[str, Any]) -> dict[str, Any]:
     """Warm-up on a slice (its time scaled to the batch decides whether to go on), the first
-    call on the batch (a fresh model copy for the library), then the Timer."""
+    call on the batch (library: a fresh model copy, the plan cache cleared), then the Timer."""
     rec: dict[str, Any] = {"method": m.name, "kind": m.kind, "what": m.what}
-    if m.not_applicable:
-        rec["skipped"] = f"not applicable: {m.not_applicable}"
-        return rec
-    batch = cell.batch
-    if m.estimate is not None:
-        est = m.estimate(cell, batch)
-        rec["estimated_bytes"] = est
-        if est > st.max_gb * 2**30:
-            rec["skipped"] = f"not run: estimated {est / 2**30:.1f} GiB > --max-gb {st.max_gb:g}"
-            return rec
-    k = CHECK_SAMPLES if cell.ragged else CHECK_SAMPLES - 1
+    batch, device = cell.batch, torch.device(args.device)
+    fresh = (lambda: copy.deepcopy(cell.model)) if m.is_library else (lambda: cell.model)
     try:
+        if m.estimate is not None:
+            rec["estimated_bytes"] = est = m.estimate(cell, batch)
+            if est > args.max_gb * 2**30:
+                raise Skip(f"not run: estimated {est / 2**30:.1f} GiB > --max-gb {args.max_gb:g}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fresh = (lambda: copy.deepcopy(cell.model)) if m.is_library else (lambda: cell.model)
-            assert m.prepare is not None
-            run = m.prepare(cell, fresh())
-            small = cell.slice(k)
+            run, small = m.prepare(cell, fresh()), cell.small()
             scale = (batch.n / small.n) ** m.scaling
+            limit = args.method_limit / scale
             try:
-                with time_limit(st.method_limit / scale):
-                    t_small, _ = timed_once(lambda: run(small), st.device)
+                with time_limit(limit):
+                    rec["slice_seconds"], _ = timed_call(lambda: run(small), device)
             except TimeLimit:
-                rec["skipped"] = (
-                    f"not run: more than {st.method_limit / scale:.3g} s on {small.n} samples "
-                    f"(suggests > --method-limit {st.method_limit:g} s on {batch.n})"
+                raise Skip(
+                    f"not run: over {limit:.3g} s on {small.n} samples (> --method-limit on {batch.n})"
+                ) from None
+            if rec["slice_seconds"] * scale > args.method_limit:
+                raise Skip(
+                    f"not run: {rec['slice_seconds']:.2f} s on {small.n} samples suggests "
+                    f"{rec['slice_seconds'] * scale:.0f} s on {batch.n} > --method-limit"
                 )
-                return rec
-            est_s = t_small * scale
-            rec["slice_seconds"] = t_small
-            if est_s > st.method_limit:
-                rec["skipped"] = (
-                    f"not run: {t_small:.2f} s on {small.n} samples suggests {est_s:.0f} s on "
-                    f"{batch.n} > --method-limit {st.method_limit:g}"
-                )
-                return rec
-            if m.is_library:  # a fresh copy: the first call plans with a cold cache
+            if m.is_library:  # a fresh copy and a cold plan cache: the first call plans
                 run = m.prepare(cell, fresh())
-            t_first, res = timed_once(lambda: run(batch), st.device)
+                mj.clear_plan_cache()
+            t_first, res = timed_call(lambda: run(batch), device)
             rec["first_call_seconds" if m.is_library else "warmup_seconds"] = t_first
             if isinstance(res, LibraryResult):
                 rec["library"] = res.info
-            value = value_of(res).detach()
-            del res
             if m.kind != "train":
+                value = value_of(res)
                 if "value" not in baseline:
                     baseline.update(value=value, method=m.name)
                     rec["float32_baseline"] = True
                 else:
                     d = compare(value, baseline["value"])
                     rec["float32_vs"] = baseline["method"]
-                    rec["float32_max_abs_diff"] = d.get("max_abs_diff")
                     rec["float32_rel_diff"] = d.get("rel_diff")
                     if "mismatch" in d:
                         rec["float32_mismatch"] = d["mismatch"]
-            del value
+                del value
+            del res
             rec.update(
-                time_callable(
+                timer_median(
                     lambda: run(batch),
-                    threads=st.threads,
-                    min_run_time=st.min_run_time,
+                    threads=args.threads,
+                    min_run_time=args.min_run_time,
                     warm_s=t_first,
                 )
             )
     except Skip as e:
-        rec["skipped"] = f"not applicable: {e}"
+        rec["skipped"] = str(e) if str(e).startswith("not run") else f"not applicable: {e}"
     except Exception as e:
-        rec["error"] = _error(e)
+        rec["error"] = error_text(e)
     return rec
-
-
-def _error(e: BaseException) -> str:
-    tb = traceback.extract_tb(e.__traceback__)
-    where = tb[-1] if tb else None
-    at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
-    return f"{type(e).__name__}: {e}"[:600] + at
 
 
 def check_methods(
     workload: str,
     model_name: str,
     methods: Sequence[Method],
-    st: Settings,
-    verbose: bool = False,
+    args: argparse.Namespace,
     limits: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Every method on a float64 slice of the cell against :func:`reference` (each under
     ``limits[name]`` seconds, default ``--check-limit``)."""
-    limits = limits or {}
     cell = build_cell(
-        workload, model_name, quick=st.quick, device=st.device, dtype=torch.float64, seed=st.seed
+        workload,
+        model_name,
+        quick=args.quick,
+        device=args.device,
+        dtype=torch.float64,
+        seed=args.seed,
     )
-    k = CHECK_SAMPLES if cell.ragged else CHECK_SAMPLES - 1
-    batch = cell.slice(k)
-    t0 = time.perf_counter()
+    batch, t0 = cell.small(), time.perf_counter()
     ref = reference(cell, batch)
     meta = {
         "reference": "plain autograd.grad, one sample and one output row at a time, float64",
         "samples": batch.n,
         "reference_seconds": time.perf_counter() - t0,
-        "reference_max_abs": float(ref.abs().max()),
-        "tol": st.check_tol,
+        "tol": args.check_tol,
     }
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
-        if m.kind == "train" or m.prepare is None:
+        if m.kind == "train":
             continue
         row: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
-            with warnings.catch_warnings():
+            with (
+                warnings.catch_warnings(),
+                time_limit((limits or {}).get(m.name, args.check_limit)),
+            ):
                 warnings.simplefilter("ignore")
                 model = copy.deepcopy(cell.model) if m.is_library else cell.model
-                with time_limit(limits.get(m.name, st.check_limit)):
-                    row.update(compare(m.prepare(cell, model)(batch), ref))
+                row.update(compare(value_of(m.prepare(cell, model)(batch)), ref))
         except Skip as e:
             row["skipped"] = str(e)
         except TimeLimit as e:
             row["skipped"] = f"not checked: {e} (--check-limit)"
         except Exception as e:
-            row["error"] = _error(e)
+            row["error"] = error_text(e)
         if "rel_diff" in row:
-            row["ok"] = row["rel_diff"] <= st.check_tol
+            row["ok"] = row["rel_diff"] <= args.check_tol
         row["seconds_in_check"] = round(time.perf_counter() - t0, 3)
-        if verbose:
-            log(f"  check {cell.name} {m.name}: {row}")
+        log(f"  check {cell.name} {m.name}: {row}")
         out[m.name] = row
     return meta, out
 
 
 def cell_worker(args: argparse.Namespace) -> int:
     """Time every method of one cell in this process; print the cell's record as JSON."""
-    st = settings(args)
     workload, model_name = args.worker_cell
-    torch.set_num_threads(st.threads)
-    cell = build_cell(workload, model_name, quick=st.quick, device=st.device, seed=st.seed)
-    rec: dict[str, Any] = {"name": f"{workload}/{model_name}", **cell_summary(cell)}
-    methods = [m for m in methods_for(workload) if st.wants(m.name)]
-    train = Method("train_step", "train", "", prepare=lambda c, _m: prepare_train_step(c))
-    train_start = bench_method(cell, train, st, {})
-    log(
-        f"[{rec['name']}] N={rec['N']} O={rec['O']} P={rec['P']}: training step "
-        f"{train_start.get('seconds', float('nan')):.4f} s"
-    )
+    torch.set_num_threads(args.threads)
+    cell = build_cell(workload, model_name, quick=args.quick, device=args.device, seed=args.seed)
+    rec: dict[str, Any] = {"name": cell.name, **cell_summary(cell)}
+    methods = [m for m in methods_for(workload) if wants(args, m.name)]
     baseline: dict[str, Any] = {}
-    results: dict[str, dict[str, Any]] = {}
-    for m in methods:
-        if m.kind == "train":
-            results[m.name] = {**train_start, "what": m.what}
-            continue
-        r = bench_method(cell, m, st, baseline)
-        results[m.name] = r
-        log(f"[{rec['name']}] {m.name}: " + _short(r))
-    baseline.clear()
-    train_end = bench_method(cell, train, st, {})
-    step = [t["seconds"] for t in (train_start, train_end) if "seconds" in t]
+    results = {m.name: bench_method(cell, m, args, baseline) for m in methods[:1]}
+    for m in methods[1:]:
+        results[m.name] = r = bench_method(cell, m, args, baseline)
+        log(f"[{cell.name}] {m.name}: " + _short(r))
+    train_end = bench_method(cell, methods[0], args, {})  # the step again, after the others
+    step = [t["seconds"] for t in (results["train_step"], train_end) if "seconds" in t]
     rec["train_step_seconds"] = sum(step) / len(step) if step else None
     rec["train_step_seconds_start_end"] = step
-    del cell
+    del cell, baseline
     ran = [m for m in methods if "seconds" in results[m.name] and m.kind != "train"]
+    limits = {
+        m.name: max(args.check_limit, 4 * results[m.name].get("slice_seconds", 0.0)) for m in ran
+    }
     try:
-        limits = {
-            m.name: max(st.check_limit, 4 * results[m.name].get("slice_seconds", 0.0)) for m in ran
-        }
-        meta, checks = check_methods(workload, model_name, ran, st, limits=limits)
+        rec["check"], checks = check_methods(workload, model_name, ran, args, limits)
     except Exception as e:
-        meta, checks = {"error": _error(e)}, {}
-    rec["check"] = meta
+        rec["check"], checks = {"error": error_text(e)}, {}
     base_ok = True
-    for name, r in results.items():
-        if name in checks:
-            c = checks[name]
-            r["checked"] = c.get("max_abs_diff")
-            r["checked_rel"] = c.get("rel_diff")
-            r["check_ok"] = c.get("ok", False)
-            if "ok" not in c:
-                r["check_error"] = c.get("error") or c.get("skipped") or c.get("mismatch")
-            if r.get("float32_baseline"):
-                base_ok = r["check_ok"]
+    for name, c in checks.items():
+        r = results[name]
+        r.update(
+            checked=c.get("max_abs_diff"),
+            checked_rel=c.get("rel_diff"),
+            check_ok=c.get("ok", False),
+        )
+        if "ok" not in c:
+            r["check_error"] = c.get("error") or c.get("skipped") or c.get("mismatch")
+        if r.get("float32_baseline"):
+            base_ok = r["check_ok"]
     for r in results.values():
         if "seconds" not in r:
             continue
         if rec["train_step_seconds"]:
             r["ratio_to_train_step"] = r["seconds"] / rec["train_step_seconds"]
-        if r["kind"] == "train":
-            continue
-        f32 = r.get("float32_rel_diff")
-        f32_ok = r.get("float32_baseline") or not base_ok or (f32 is not None and f32 <= st.f32_tol)
-        r["valid"] = bool(r.get("check_ok")) and bool(f32_ok)
+        if r["kind"] != "train":
+            f32 = r.get("float32_rel_diff")
+            f32_ok = (
+                r.get("float32_baseline")
+                or not base_ok
+                or (f32 is not None and f32 <= args.f32_tol)
+            )
+            r["valid"] = bool(r.get("check_ok")) and bool(f32_ok)
     rec["methods"] = results
     print(json.dumps(rec, default=str))
     return 0
@@ -1898,223 +1389,193 @@ def cell_worker(args: argparse.Namespace) -> int:
 def _short(r: dict[str, Any]) -> str:
     if "seconds" not in r:
         return str(r.get("skipped") or r.get("error"))[:160]
-    extra = ""
-    if "first_call_seconds" in r:
-        extra = f", first call {r['first_call_seconds']:.3g} s"
-    lib = r.get("library") or {}
-    if "strategy" in lib:
-        extra += f", ran {lib['strategy']}/{lib['mode']}"
+    extra = f", first call {r['first_call_seconds']:.3g} s" if "first_call_seconds" in r else ""
     f32 = r.get("float32_rel_diff")
     return f"{r['seconds']:.4g} s{extra}" + ("" if f32 is None else f", f32 rel diff {f32:.1e}")
 
 
 def memory_worker(args: argparse.Namespace) -> int:
     """Peak memory of one method on the batch, in this fresh process (after a slice warm-up)."""
-    st = settings(args)
     workload, model_name, method = args.worker_mem
-    torch.set_num_threads(st.threads)
-    cell = build_cell(workload, model_name, quick=st.quick, device=st.device, seed=st.seed)
-    if method == "train_step":
-        run = prepare_train_step(cell)
-    else:
-        (m,) = [m for m in methods_for(workload) if m.name == method]
-        assert m.prepare is not None
-        run = m.prepare(cell, cell.model)
+    torch.set_num_threads(args.threads)
+    cell = build_cell(workload, model_name, quick=args.quick, device=args.device, seed=args.seed)
+    (m,) = [m for m in methods_for(workload) if m.name == method]
+    run = m.prepare(cell, cell.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        k = CHECK_SAMPLES if cell.ragged else CHECK_SAMPLES - 1
-        run(cell.slice(k))
-        rec = measure_peak_memory(lambda: run(cell.batch), st.device)
+        run(cell.small())
+        rec = measure_peak_memory(lambda: run(cell.batch), args.device)
     print(json.dumps(rec))
     return 0
 
 
 # ---------------------------------------------------------------------- the main process
-def settings(args: argparse.Namespace) -> Settings:
-    return Settings(
-        quick=args.quick,
-        device=torch.device(args.device),
-        threads=args.threads,
-        min_run_time=args.min_run_time if args.min_run_time else (0.2 if args.quick else 0.5),
-        method_limit=args.method_limit,
-        max_gb=args.max_gb,
-        check_tol=args.check_tol,
-        f32_tol=args.f32_tol,
-        check_limit=args.check_limit,
-        seed=args.seed,
-        methods=args.methods,
-    )
-
-
-def common_argv(args: argparse.Namespace) -> list[str]:
-    out = ["--device", args.device, "--threads", str(args.threads), "--seed", str(args.seed)]
-    out += ["--method-limit", str(args.method_limit), "--max-gb", str(args.max_gb)]
-    out += ["--check-tol", str(args.check_tol), "--f32-tol", str(args.f32_tol)]
-    out += ["--check-limit", str(args.check_limit)]
-    if args.min_run_time:
-        out += ["--min-run-time", str(args.min_run_time)]
-    if args.quick:
-        out.append("--quick")
-    if args.methods:
-        out += ["--methods", *args.methods]
-    return out
-
-
 def grid(args: argparse.Namespace) -> list[tuple[str, str]]:
-    table = QUICK_GRID if args.quick else GRID
-    cells = []
-    for w in args.workloads or WORKLOADS:
-        for m in table[w] if not args.models else GRID[w]:
-            if args.models and m not in args.models:
-                continue
-            cells.append((w, m))
-    return cells
+    if args.cells:
+        return [tuple(c.split("/", 1)) for c in args.cells]  # type: ignore[misc]
+    table = GRID if args.models else (QUICK_GRID if args.quick else GRID)
+    ws = args.workloads or WORKLOADS
+    return [(w, m) for w in ws for m in table[w] if not args.models or m in args.models]
+
+
+#: per cell (``workload/model``): why the library's auto is slower than the fastest other
+#: method there and what would fix it, written after a measurement; it replaces the generic
+#: note that :func:`slow_note` derives from the cell's numbers
+CELL_NOTES: dict[str, str] = {}
+
+
+def slow_note(c: dict[str, Any]) -> str:
+    """A note for a cell where ``library_auto`` is slower than the best other method."""
+    lob = c.get("library_over_best_other")
+    if lob is None or lob <= 1.0:
+        return ""
+    if c["name"] in CELL_NOTES:
+        return CELL_NOTES[c["name"]]
+    route, other = c.get("best_route_seconds"), c.get("best_other_seconds")
+    if route is not None and other is not None and route > other:
+        return (
+            f"no library route is as fast as {c['best_other']} here (the fastest, "
+            f"{c['best_route']}, takes {route / other:.2f}x its time): a faster route is missing"
+        )
+    if (c.get("auto_over_best_route") or 1.0) > 1.0:
+        return (
+            f"auto did not run the fastest route ({c['best_route']}): the route choice "
+            "(cost model or probe) picked a slower one"
+        )
+    return "auto's overhead (planning, checks) outweighs the route's margin at this size"
 
 
 def summarise(cell: dict[str, Any]) -> None:
-    """``best_other``, ``library_over_best_other``, ``best_route``, ``auto_over_best_route``."""
+    """``best_other``, ``library_over_best_other``, ``best_route``, ``auto_over_best_route``,
+    ``note``."""
     ms = cell.get("methods", {})
-    timed = {n: r for n, r in ms.items() if "seconds" in r and r.get("valid")}
-    others = {n: r for n, r in timed.items() if r["kind"] == "peer"}
-    routes = {n: r for n, r in timed.items() if r["kind"] == "route"}
+    timed = {n: r["seconds"] for n, r in ms.items() if "seconds" in r and r.get("valid")}
     auto = timed.get("library_auto")
-    best = min(others, key=lambda n: others[n]["seconds"]) if others else None
-    route = min(routes, key=lambda n: routes[n]["seconds"]) if routes else None
-    cell["best_other"] = best
-    cell["best_other_seconds"] = others[best]["seconds"] if best else None
+    for key, kind in (("best_other", "peer"), ("best_route", "route")):
+        group = {n: s for n, s in timed.items() if ms[n]["kind"] == kind}
+        best = min(group, key=group.__getitem__) if group else None
+        cell[key], cell[f"{key}_seconds"] = best, group.get(best)  # type: ignore[arg-type]
     cell["library_over_best_other"] = (
-        auto["seconds"] / others[best]["seconds"] if auto and best else None
+        auto / cell["best_other_seconds"] if auto and cell["best_other"] else None
     )
-    cell["best_route"] = route
-    cell["best_route_seconds"] = routes[route]["seconds"] if route else None
     cell["auto_over_best_route"] = (
-        auto["seconds"] / routes[route]["seconds"] if auto and route else None
+        auto / cell["best_route_seconds"] if auto and cell["best_route"] else None
     )
     if "library_auto" in ms and not auto:
         r = ms["library_auto"]
         cell["auto_problem"] = (
-            r.get("error")
-            or r.get("skipped")
-            or r.get("check_error")
-            or "did not pass the correctness check"
+            r.get("error") or r.get("skipped") or r.get("check_error") or "failed the check"
         )
+    cell["note"] = slow_note(cell)
 
 
-def memory_methods(cell: dict[str, Any], mode: str) -> list[str]:
-    ms = cell.get("methods", {})
-    ran = [n for n, r in ms.items() if "seconds" in r]
-    if mode == "none":
-        return []
-    if mode == "all":
-        return ran
-    main = {"train_step", "library_auto", cell.get("best_other"), cell.get("best_route")}
-    return [n for n in ran if n in main]
-
-
-def run_cell(
-    w: str, m: str, args: argparse.Namespace, results: dict[str, Any], deadline: float | None
-) -> dict[str, Any]:
+def run_cell(w: str, m: str, args: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
     name = f"{w}/{m}"
     log(f"== {name}: timing all methods in one worker ...")
     t0 = time.perf_counter()
-    rec = run_worker(
-        [str(SCRIPT), "--worker-cell", w, m, *common_argv(args)], timeout_s=args.timeout
-    )
-    rec.setdefault("name", name)
-    rec.setdefault("workload", w)
-    rec.setdefault("model", m)
-    rec["timing_worker_seconds"] = round(time.perf_counter() - t0, 1)
+    rec = run_worker([str(SCRIPT), "--worker-cell", w, m, *args.argv], timeout_s=args.timeout)
+    rec = {"name": name, "workload": w, "model": m, **rec}
     if "error" in rec or "methods" not in rec:
         log(f"   {name}: {rec.get('error')}")
         return rec
     summarise(rec)
-    for method in memory_methods(rec, args.memory):
-        if deadline is not None and time.time() > deadline:
-            rec["methods"][method]["memory"] = {"skipped": "--budget spent"}
-            continue
+    ms = rec["methods"]
+    keep = {"train_step", "library_auto", rec.get("best_other"), rec.get("best_route")}
+    for method in [
+        n for n, r in ms.items() if "seconds" in r and (args.memory == "all" or n in keep)
+    ]:
+        if args.memory == "none" or (deadline is not None and time.time() > deadline):
+            break
         mem = run_worker(
-            [str(SCRIPT), "--worker-mem", w, m, method, *common_argv(args)],
-            timeout_s=args.timeout,
+            [str(SCRIPT), "--worker-mem", w, m, method, *args.argv], timeout_s=args.timeout
         )
-        r = rec["methods"][method]
-        r["memory"] = mem
-        r["peak_memory_bytes"] = mem.get("peak_memory_bytes")
-    base = rec["methods"].get("train_step", {}).get("peak_memory_bytes")
-    for r in rec["methods"].values():
+        ms[method].update(memory=mem, peak_memory_bytes=mem.get("peak_memory_bytes"))
+    base = ms.get("train_step", {}).get("peak_memory_bytes")
+    for r in ms.values():
         if r.get("peak_memory_bytes") is not None and base:
             r["memory_ratio_to_train_step"] = r["peak_memory_bytes"] / base
     rec["cell_seconds"] = round(time.perf_counter() - t0, 1)
-    log(f"   {name}: {_cell_line(rec)} ({rec['cell_seconds']} s)")
+    lob, aor = rec.get("library_over_best_other"), rec.get("auto_over_best_route")
+    log(
+        f"   {name}: auto / best other ({rec.get('best_other')}) = {_ratio(lob)}, auto / best "
+        f"route ({rec.get('best_route')}) = {_ratio(aor)} ({rec['cell_seconds']} s)"
+    )
     return rec
 
 
-def _cell_line(rec: dict[str, Any]) -> str:
-    lob, aor = rec.get("library_over_best_other"), rec.get("auto_over_best_route")
-    return (
-        f"library/best other ({rec.get('best_other')}) = "
-        f"{'-' if lob is None else f'{lob:.2f}'}, auto/best route ({rec.get('best_route')}) = "
-        f"{'-' if aor is None else f'{aor:.2f}'}"
-    )
-
-
 def out_paths(args: argparse.Namespace, suffix: str = "") -> tuple[Path, str]:
-    out_dir = Path(args.out) if args.out else DEFAULT_OUT
     stem = args.name or ("bench_peers" + ("_quick" if args.quick else ""))
-    return out_dir, stem + suffix
+    return Path(args.out) if args.out else DEFAULT_OUT, stem + suffix
+
+
+NOTES = {
+    "seconds": "median per call from torch.utils.benchmark.Timer (blocked_autorange, or single "
+    "timed calls for calls >= min_run_time), after a warm-up on a slice and one call on the "
+    "batch; every method of a cell in one fresh process",
+    "ratio_to_train_step": "seconds / the training step of the same process (mean of the "
+    "medians before and after the other methods)",
+    "first_call_seconds": "library methods: the first call on the batch, a fresh copy of the "
+    "model, plan cache cleared (torch already warmed up by the slice call)",
+    "checked": "max abs difference from the float64 reference (plain autograd loops) on a slice "
+    "(2 samples; ragged: 3 in 3 shape buckets); valid needs checked_rel <= check_tol and "
+    "float32_rel_diff (vs the first peer on the batch) <= f32_tol",
+    "library_over_best_other": "library_auto seconds / the fastest valid non-library method's",
+    "auto_over_best_route": "library_auto seconds / the fastest valid forced library route's",
+    "note": "why auto is slower than the best other method, where it is",
+    "backpack_DiagGGNExact": "not used: the GGN diagonal is neither the empirical Fisher nor "
+    "the off-diagonal subset block a subnetwork Laplace needs",
+}
 
 
 def main(args: argparse.Namespace) -> int:
-    st = settings(args)
-    if st.device.type == "cuda" and not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         log("--device cuda: CUDA is not available")
         return 2
     torch.set_num_threads(args.threads)
     cells = grid(args)
     out_dir, stem = out_paths(args)
-    env = env_stamp(st.device)
-    env["threads"] = args.threads
-    env["cpu_model"] = cpu_model()
+    env = {**env_stamp(device), "threads": args.threads}
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "quick",
+            "device",
+            "threads",
+            "min_run_time",
+            "method_limit",
+            "max_gb",
+            "memory",
+            "check_tol",
+            "f32_tol",
+            "seed",
+        )
+    }
+    config["sizes"] = {w: SIZES[w][1 if args.quick else 0] for w in WORKLOADS}
+    config["grid"] = [f"{w}/{m}" for w, m in cells]
+    config["peers_installed"] = {
+        p: importlib.util.find_spec(p) is not None for p in ("backpack", "opacus", "curvlinops")
+    }
+    caveat = MEMORY_CAVEAT_CUDA if device.type == "cuda" else MEMORY_CAVEAT_CPU
+    notes = {**NOTES, "peak_memory_bytes": caveat}
     results: dict[str, Any] = {
         "benchmark": "bench_peers",
         "env": env,
-        "config": {
-            "quick": args.quick,
-            "device": args.device,
-            "threads": args.threads,
-            "min_run_time": st.min_run_time,
-            "method_limit_s": args.method_limit,
-            "max_gb": args.max_gb,
-            "memory": args.memory,
-            "check_tol": args.check_tol,
-            "f32_tol": args.f32_tol,
-            "seed": args.seed,
-            "sizes": {w: SIZES[w][1 if args.quick else 0] for w in WORKLOADS},
-            "grid": [f"{w}/{m}" for w, m in cells],
-            "peers_installed": {
-                p: importlib.util.find_spec(p) is not None
-                for p in ("backpack", "opacus", "curvlinops")
-            },
-        },
-        "notes": NOTES
-        | {
-            "peak_memory_bytes": MEMORY_CAVEAT_CUDA
-            if st.device.type == "cuda"
-            else MEMORY_CAVEAT_CPU,
-        },
+        "config": config,
+        "notes": notes,
         "cells": [],
     }
     start = time.time()
     deadline = start + args.budget if args.budget else None
     for w, m in cells:
         if deadline is not None and time.time() > deadline:
-            results["cells"].append(
-                {"name": f"{w}/{m}", "workload": w, "model": m, "not_run": "--budget spent"}
-            )
+            results["cells"].append({"name": f"{w}/{m}", "not_run": "--budget spent"})
             continue
-        results["cells"].append(run_cell(w, m, args, results, deadline))
+        results["cells"].append(run_cell(w, m, args, deadline))
         write_json(out_dir / f"{stem}.json", results)
-    results["env"]["load_average_at_end"] = _load()
+    env["load_average_at_end"] = load_average()
     results["total_seconds"] = round(time.time() - start, 1)
+    results["report_markdown"] = summary_table(results)  # the driver's report shows it
     path = write_json(out_dir / f"{stem}.json", results)
     text = render_tables(results)
     (out_dir / f"{stem}.md").write_text(text)
@@ -2124,60 +1585,18 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load() -> list[float] | None:
-    from _common import load_average
-
-    return load_average()
-
-
-def cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or None
-
-
-NOTES = {
-    "seconds": (
-        "median per call from torch.utils.benchmark.Timer (blocked_autorange, or single timed "
-        "calls for calls >= min_run_time), after a warm-up on a slice and one call on the "
-        "batch; every method of a cell in one fresh process"
-    ),
-    "ratio_to_train_step": (
-        "seconds / the training step of the same process (mean of the medians measured "
-        "before and after the other methods)"
-    ),
-    "first_call_seconds": (
-        "library methods: the first call on the batch with a fresh deep copy of the model "
-        "(plan cache cold; torch already warmed up by the slice call)"
-    ),
-    "checked": (
-        "max abs difference from the float64 reference (plain autograd loops) on a slice of "
-        "the cell (2 samples; ragged: 3 spanning 3 shape buckets); checked_rel divides by the "
-        "reference's max; valid needs checked_rel <= check_tol and float32_rel_diff (vs the "
-        "first peer on the whole batch) <= f32_tol"
-    ),
-    "best_other": "the fastest valid non-library method (train_step excluded)",
-    "library_over_best_other": "library_auto seconds / best_other seconds (< 1: the library wins)",
-    "auto_over_best_route": "library_auto seconds / the fastest valid forced library route",
-    "backpack_DiagGGNExact": (
-        "not used: it gives the GGN diagonal, which is neither the empirical Fisher (fisher) "
-        "nor the off-diagonal subset block a subnetwork Laplace needs (laplace)"
-    ),
-}
-
-
 # ---------------------------------------------------------------------- tables and plot
-def _fmt_ratio(x: float | None) -> str:
+def _ratio(x: float | None) -> str:
     if x is None:
         return "-"
     return f"{x:.0f}" if x >= 100 else (f"{x:.1f}" if x >= 10 else f"{x:.2f}")
+
+
+def _ran(info: dict[str, Any]) -> str:
+    ran = "/".join(str(info[k]) for k in ("strategy", "mode") if k in info) or str(
+        info.get("method", "")
+    )
+    return ran + (f", {info['probed']} probe(s)" if info.get("probed") else "")
 
 
 def summary_table(results: dict[str, Any]) -> str:
@@ -2185,57 +1604,50 @@ def summary_table(results: dict[str, Any]) -> str:
     for c in results["cells"]:
         ms = c.get("methods", {})
         auto = ms.get("library_auto", {})
-        ran = auto.get("library") or {}
-        what = "/".join(str(ran[k]) for k in ("strategy", "mode") if k in ran) or ran.get(
-            "method", ""
-        )
+        problem = c.get("not_run") or c.get("error") or c.get("auto_problem")
         rows.append(
             [
                 c["name"],
                 fmt_seconds(c.get("train_step_seconds")),
-                _fmt_ratio(auto.get("ratio_to_train_step")),
+                _ratio(auto.get("ratio_to_train_step")),
                 c.get("best_other") or "-",
-                _fmt_ratio((ms.get(c.get("best_other") or "", {})).get("ratio_to_train_step")),
-                _fmt_ratio(c.get("library_over_best_other")),
+                _ratio(ms.get(c.get("best_other") or "", {}).get("ratio_to_train_step")),
+                _ratio(c.get("library_over_best_other")),
                 c.get("best_route") or "-",
-                _fmt_ratio(c.get("auto_over_best_route")),
+                _ratio(c.get("auto_over_best_route")),
                 fmt_seconds(auto.get("first_call_seconds")),
-                (c.get("not_run") or c.get("error") or c.get("auto_problem") or what)[:60],
+                _ran(auto.get("library") or {}),
+                (problem or c.get("note") or "")[:200],
             ]
         )
-    return markdown_table(
-        [
-            "cell",
-            "train step s",
-            "auto x step",
-            "best other",
-            "other x step",
-            "library / best other",
-            "best route",
-            "auto / best route",
-            "auto first call s",
-            "auto ran / note",
-        ],
-        rows,
-    )
+    headers = [
+        "cell",
+        "train step s",
+        "auto x step",
+        "best other",
+        "other x step",
+        "auto / best other",
+    ]
+    headers += ["best route", "auto / best route", "auto first call s", "auto ran", "note"]
+    return markdown_table(headers, rows)
 
 
 def cell_table(c: dict[str, Any]) -> str:
     rows = []
     for name, r in c.get("methods", {}).items():
-        note = r.get("skipped") or r.get("error") or r.get("check_error") or ""
-        lib = r.get("library") or {}
-        if not note and lib:
-            note = ", ".join(
-                f"{k}={v}" for k, v in lib.items() if k in ("strategy", "mode", "method", "plan")
-            )
+        note = (
+            r.get("skipped")
+            or r.get("error")
+            or r.get("check_error")
+            or _ran(r.get("library") or {})
+        )
         if "seconds" in r and not r.get("valid") and r["kind"] != "train":
             note = "INVALID " + note
         rows.append(
             [
                 name,
                 fmt_seconds(r.get("seconds")),
-                _fmt_ratio(r.get("ratio_to_train_step")),
+                _ratio(r.get("ratio_to_train_step")),
                 fmt_seconds(r.get("first_call_seconds")),
                 fmt_bytes(r.get("peak_memory_bytes")),
                 "-" if r.get("checked") is None else f"{r['checked']:.1e}",
@@ -2250,35 +1662,30 @@ def cell_table(c: dict[str, Any]) -> str:
 
 def render_tables(results: dict[str, Any]) -> str:
     env = results["env"]
+    gpu = f" ({env['cuda_device_name']})" if env.get("cuda_device_name") else ""
+    commit = (env.get("git_commit") or "?")[:10] + (" (dirty)" if env.get("git_dirty") else "")
     lines = [
         f"# bench_peers ({'quick' if results['config']['quick'] else 'full'})",
         "",
-        f"torch {env['torch']}, {env['device']}"
-        f"{' (' + env['cuda_device_name'] + ')' if env.get('cuda_device_name') else ''}, "
-        f"{env['threads']} threads, CPU {env.get('cpu_model')}, commit "
-        f"{(env.get('git_commit') or '?')[:10]}{' (dirty)' if env.get('git_dirty') else ''}, "
-        f"{env['date_utc']}, load average {env.get('load_average_at_start')} at start, "
-        f"{env.get('load_average_at_end')} at end.",
+        f"torch {env['torch']}, {env['device']}{gpu}, {env['threads']} threads, CPU "
+        f"{env.get('cpu_model')}, commit {commit}, {env['date_utc']}, load average "
+        f"{env.get('load_average_at_start')} at start, {env.get('load_average_at_end')} at end.",
         "",
-        "`library / best other` = library_auto seconds / the fastest valid non-library method; "
-        "`auto / best route` = library_auto / the fastest valid forced route (< 1: auto wins).",
+        "`auto / best other`: library_auto seconds / the fastest valid non-library method's; "
+        "`auto / best route`: / the fastest valid forced library route's (< 1: auto is faster).",
         "",
         summary_table(results),
     ]
     for c in results["cells"]:
-        if "methods" not in c:
-            continue
-        lines += [
-            "",
-            f"## {c['name']}: N={c.get('N')}, O={c.get('O')}, P={c.get('P')} "
-            f"(of {c.get('params_total')}), {c.get('shape_buckets')} shape bucket(s)",
-            "",
-            cell_table(c),
-        ]
+        if "methods" in c:
+            head = f"## {c['name']}: N={c.get('N')}, O={c.get('O')}, P={c.get('P')} (of "
+            head += f"{c.get('params_total')}), {c.get('shape_buckets')} shape bucket(s)"
+            lines += ["", head, "", cell_table(c)]
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict[str, Any], path: Path) -> Path | None:
+    """``library_over_best_other`` (green <= 1, red > 1) and ``auto_over_best_route`` per cell."""
     try:
         import matplotlib
 
@@ -2290,29 +1697,25 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     cells = [c for c in results["cells"] if c.get("library_over_best_other") is not None]
     if not cells:
         return None
-    names = [c["name"] for c in cells]
     lob = [c["library_over_best_other"] for c in cells]
     aor = [c.get("auto_over_best_route") or float("nan") for c in cells]
+    x = range(len(cells))
     fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(cells)), 5))
-    x = list(range(len(cells)))
+    colors = ["tab:green" if v <= 1 else "tab:red" for v in lob]
     ax.bar(
-        [i - 0.2 for i in x],
-        lob,
-        width=0.4,
-        label="library_auto / best other method",
-        color=["tab:green" if v <= 1 else "tab:red" for v in lob],
+        [i - 0.2 for i in x], lob, width=0.4, label="library auto / best other method", color=colors
     )
     ax.bar(
         [i + 0.2 for i in x],
         aor,
         width=0.4,
-        label="library_auto / best forced route",
+        label="library auto / best forced route",
         color="tab:gray",
         alpha=0.6,
     )
     ax.axhline(1.0, color="black", linewidth=1)
     ax.set_yscale("log")
-    ax.set_xticks(x, names, rotation=90, fontsize=7)
+    ax.set_xticks(list(x), [c["name"] for c in cells], rotation=90, fontsize=7)
     ax.set_ylabel("time ratio (log; < 1: the library is faster)")
     env = results["env"]
     ax.set_title(f"bench_peers: {env['device']}, {env['threads']} threads, torch {env['torch']}")
@@ -2325,13 +1728,12 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
 
 # ---------------------------------------------------------------------- check and dry modes
 def check_main(args: argparse.Namespace) -> int:
-    st = settings(args)
     torch.set_num_threads(args.threads)
-    rows, failed, table = [], False, []
+    rows, table, failed = [], [], False
     for w, m in grid(args):
-        methods = [x for x in methods_for(w) if st.wants(x.name)]
+        methods = [x for x in methods_for(w) if wants(args, x.name)]
         try:
-            meta, checks = check_methods(w, m, methods, st, verbose=True)
+            meta, checks = check_methods(w, m, methods, args)
         except Skip as e:
             log(f"{w}/{m}: not applicable: {e}")
             continue
@@ -2339,55 +1741,39 @@ def check_main(args: argparse.Namespace) -> int:
             bad = "ok" in r and not r["ok"]
             failed |= bad
             rows.append({"cell": f"{w}/{m}", "method": name, **r})
+            what = str(r.get("skipped") or r.get("error") or r.get("mismatch"))[:90]
+            diffs = [_sci(r.get("max_abs_diff")), _sci(r.get("rel_diff"))]
             table.append(
-                [
-                    f"{w}/{m}",
-                    name,
-                    "-" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.2e}",
-                    "-" if r.get("rel_diff") is None else f"{r['rel_diff']:.2e}",
-                    ("FAIL" if bad else "ok")
-                    if "ok" in r
-                    else (str(r.get("skipped") or r.get("error") or r.get("mismatch"))[:90]),
-                ]
+                [f"{w}/{m}", name, *diffs, ("FAIL" if bad else "ok") if "ok" in r else what]
             )
-        log(
-            f"{w}/{m}: {sum(1 for r in checks.values() if r.get('ok'))}/{len(checks)} ok "
-            f"(reference {meta['reference_seconds']:.1f} s)"
-        )
+        n_ok = sum(1 for r in checks.values() if r.get("ok"))
+        log(f"{w}/{m}: {n_ok}/{len(checks)} ok (reference {meta['reference_seconds']:.1f} s)")
     out_dir, stem = out_paths(args, "_check")
-    path = write_json(
-        out_dir / f"{stem}.json",
-        {
-            "benchmark": "bench_peers --check",
-            "env": env_stamp(st.device),
-            "config": {"quick": args.quick, "tol": args.check_tol, "seed": args.seed},
-            "notes": {"checked": NOTES["checked"]},
-            "rows": rows,
-        },
-    )
+    data = {
+        "benchmark": "bench_peers --check",
+        "env": env_stamp(args.device),
+        "tol": args.check_tol,
+        "rows": rows,
+    }
+    path = write_json(out_dir / f"{stem}.json", data)
     print(markdown_table(["cell", "method", "max abs diff", "rel diff", "result"], table))
-    done = [r["max_abs_diff"] for r in rows if r.get("ok")]
-    if done:
-        print(f"\nlargest max abs diff among passing methods: {max(done):.2e}")
-    log(f"wrote {path}")
+    log(f"wrote {path}" + ("; FAILED" if failed else ""))
     return 1 if failed else 0
 
 
+def _sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
 def dry_main(args: argparse.Namespace) -> int:
-    """The grid and its methods, what would be skipped before running, nothing measured."""
-    rows = []
-    for w, m in grid(args):
-        for x in methods_for(w):
-            if not settings(args).wants(x.name):
-                continue
-            note = x.not_applicable or ""
-            pkg = {"backpack": "backpack", "opacus": "opacus", "curvlinops": "curvlinops"}.get(
-                x.name
-            )
-            if not note and pkg and importlib.util.find_spec(pkg) is None:
-                note = f"{pkg} not installed"
-            rows.append([f"{w}/{m}", x.name, x.kind, note or x.what])
-    print(markdown_table(["cell", "method", "kind", "what / why not"], rows))
+    """The grid and its methods; nothing measured."""
+    rows = [
+        [f"{w}/{m}", x.name, x.kind, x.what]
+        for w, m in grid(args)
+        for x in methods_for(w)
+        if wants(args, x.name)
+    ]
+    print(markdown_table(["cell", "method", "kind", "what"], rows))
     print(f"\n{len(grid(args))} cells, {len(rows)} (cell, method) pairs; device {args.device}")
     return 0
 
@@ -2395,91 +1781,49 @@ def dry_main(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- command line
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0],
-        epilog="Workloads, models, methods and how numbers are taken: see the module docstring.",
+        description=__doc__.split("\n")[0], epilog="See the module docstring."
     )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="small grid and batches, short timing (a few minutes on 2 cores)",
-    )
-    p.add_argument(
-        "--check",
-        action="store_true",
-        help="float64 agreement of every method with the reference; exit 1 on failure",
-    )
-    p.add_argument("--dry", action="store_true", help="list the cells and methods; run nothing")
-    p.add_argument("--workloads", nargs="*", choices=WORKLOADS, help="default: all")
-    p.add_argument(
-        "--models",
+    add = p.add_argument
+    add("--quick", action="store_true", help="small grid and batches, short timing")
+    add("--check", action="store_true", help="float64 agreement of every method; exit 1 on failure")
+    add("--dry", action="store_true", help="list the cells and methods; run nothing")
+    add("--workloads", nargs="*", choices=WORKLOADS, help="default: all")
+    add("--models", nargs="*", choices=sorted(SPECS), help="only these models (of the full grid)")
+    add(
+        "--cells",
         nargs="*",
-        choices=sorted(SPECS),
-        help="only these models (from the full grid); default: the grid's",
+        choices=[f"{w}/{m}" for w in GRID for m in GRID[w]],
+        metavar="W/M",
+        help="these cells (workload/model) instead of --workloads x --models",
     )
-    p.add_argument(
-        "--methods", nargs="*", help="only these methods (train_step always runs); default: all"
-    )
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads and Timer num_threads")
-    p.add_argument(
-        "--min-run-time",
-        type=float,
-        default=0.0,
-        help="Timer.blocked_autorange min_run_time (default 0.5; quick 0.2)",
-    )
-    p.add_argument(
-        "--method-limit",
-        type=float,
-        default=40.0,
-        help="skip a method whose slice time suggests more seconds than this per call",
-    )
-    p.add_argument(
-        "--max-gb",
-        type=float,
-        default=4.0,
-        help="skip a method whose memory estimate exceeds this (GiB)",
-    )
-    p.add_argument(
+    add("--methods", nargs="*", help="only these methods (train_step always runs)")
+    add("--device", default="cpu", help="cpu or cuda (default cpu)")
+    add("--threads", type=int, default=2, help="torch threads and Timer num_threads (2)")
+    add("--min-run-time", type=float, default=0.0, help="Timer min_run_time (0.5; quick 0.2)")
+    add("--method-limit", type=float, default=40.0, help="skip a method estimated slower (s/call)")
+    add("--max-gb", type=float, default=4.0, help="skip a method whose memory estimate is larger")
+    add(
         "--memory",
         choices=("all", "main", "none"),
         default="all",
-        help="peak memory per method in a fresh process: all, main "
-        "(train step, auto, best other, best route), none",
+        help="peak memory per method "
+        "in a fresh process: all, main (train step, auto, best other, best route) or none",
     )
-    p.add_argument(
-        "--check-tol",
-        type=float,
-        default=1e-9,
-        help="float64 relative tolerance vs the reference (1e-9)",
-    )
-    p.add_argument(
-        "--f32-tol",
-        type=float,
-        default=1e-3,
-        help="float32 relative tolerance vs the first peer on the batch (1e-3)",
-    )
-    p.add_argument(
-        "--check-limit",
-        type=float,
-        default=30.0,
-        help="seconds per method on the float64 slice (timing runs: at least 4x its float32 "
-        "slice time)",
-    )
-    p.add_argument(
-        "--budget",
-        type=float,
-        default=0.0,
-        help="seconds; start no new cell or memory worker after this (0: no limit)",
-    )
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per worker process")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="output folder (default: benchmarks/results)")
-    p.add_argument("--name", help="file stem (default: bench_peers[_quick]; --check adds _check)")
-    p.add_argument("--worker-cell", nargs=2, metavar=("WORKLOAD", "MODEL"), help=argparse.SUPPRESS)
-    p.add_argument(
-        "--worker-mem", nargs=3, metavar=("WORKLOAD", "MODEL", "METHOD"), help=argparse.SUPPRESS
-    )
-    return p.parse_args(argv)
+    add("--check-tol", type=float, default=1e-9, help="float64 relative tolerance (1e-9)")
+    add("--f32-tol", type=float, default=1e-3, help="float32 relative tolerance vs the first peer")
+    add("--check-limit", type=float, default=30.0, help="seconds per method on the float64 slice")
+    add("--budget", type=float, default=0.0, help="seconds; start no new cell after (0: none)")
+    add("--timeout", type=float, default=1200.0, help="seconds per worker process")
+    add("--seed", type=int, default=0)
+    add("--out", help="output folder (default: benchmarks/results)")
+    add("--name", help="file stem (default: bench_peers[_quick]; --check adds _check)")
+    add("--worker-cell", nargs=2, help=argparse.SUPPRESS)
+    add("--worker-mem", nargs=3, help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    args.argv = argv  # what the workers get (their --worker-* flag takes precedence)
+    args.min_run_time = args.min_run_time or (0.2 if args.quick else 0.5)
+    return args
 
 
 def guarded(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -2488,7 +1832,7 @@ def guarded(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -
         return fn(args)
     except Exception as e:
         traceback.print_exc()
-        print(json.dumps({"error": _error(e)}))
+        print(json.dumps({"error": error_text(e)}))
         return 0
 
 
@@ -2498,6 +1842,4 @@ if __name__ == "__main__":
         sys.exit(guarded(cell_worker, args))
     if args.worker_mem:
         sys.exit(guarded(memory_worker, args))
-    if args.dry:
-        sys.exit(dry_main(args))
-    sys.exit(check_main(args) if args.check else main(args))
+    sys.exit(dry_main(args) if args.dry else check_main(args) if args.check else main(args))

