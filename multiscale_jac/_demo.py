@@ -127,11 +127,10 @@ def iter_demo(
         )
         say(f"{label}: loop reference, warm-up call on one sample")
         _timed(lambda s=subset: per_sample_jacobian_loop(model, batch[:1], params=s), device)
-        ref = None
+        refs: list = []
 
-        def loop_call(s: ParamSubset = subset) -> None:
-            nonlocal ref
-            ref = per_sample_jacobian_loop(model, packed, params=s)
+        def loop_call(s: ParamSubset = subset, out: list = refs) -> None:
+            out[:] = [per_sample_jacobian_loop(model, packed, params=s)]
 
         loop_times = _warm_times(
             loop_call,
@@ -139,8 +138,7 @@ def iter_demo(
             repeats,
             lambda k, label=label: say(f"{label}: loop reference, warm call {k}/{repeats}"),
         )
-        assert ref is not None
-        diff = (res.jacobian - ref.jacobian).abs().max().item()
+        diff = (res.jacobian - refs[0].jacobian).abs().max().item()
         yield DemoRow(
             subset=label,
             numel=subset.numel,
