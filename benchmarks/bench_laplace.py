@@ -31,11 +31,20 @@ Acceptance: at B=32 with k=100 entries, the ``library`` fit's peak memory must b
 Results: ``benchmarks/results/bench_laplace.json`` (``bench_laplace_quick.json`` with
 ``--quick``) and a markdown table on stdout.
 
+Dense outputs (``--dense``): a per-pixel classifier (conv3x3(3->16)+ReLU, conv3x3(16->16)+ReLU,
+conv1x1(16->C); float32, eval) on four ``S x S`` images, ``k`` entries by magnitude: the fit with
+a ``memory_budget`` that would cut each image's Jacobian rows into about 20 slices against the
+unsliced fit (``memory_budget=None``), timed in one process, interleaved (median of
+``--repeats``; ``ratio`` sliced / unsliced). Defaults: S=48, C=3, k=100 (the workload of the
+report that found the fit re-running the model per slice); ``--dense-sizes 32 64 96
+--dense-classes 21 --dense-k 1000`` gives the exact-fit times ``docs/laplace.md`` extrapolates.
+
 Usage::
 
     python benchmarks/bench_laplace.py                  # B in 8 32 128, k in 10 100 1000
     python benchmarks/bench_laplace.py --quick          # B = 8, k in 10 100 (seconds)
     python benchmarks/bench_laplace.py --sizes 32 --subsets 100 --selection random
+    python benchmarks/bench_laplace.py --dense           # sliced vs unsliced dense fit
 """
 
 from __future__ import annotations
@@ -254,6 +263,77 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- dense outputs
+def dense_cell(size: int, classes: int, k: int, repeats: int, slices: int = 20) -> dict[str, Any]:
+    """Sliced (``memory_budget`` for about ``slices`` row slices per image) vs unsliced fit."""
+    import time
+
+    import multiscale_jac as mj
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, classes, 1),
+    ).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, size, size, generator=g)
+    y = torch.randint(0, classes, (4, size, size), generator=g)
+    subset = mj.ParamSubset.largest_magnitude(model, k)
+
+    def fit(budget: int | None) -> tuple[float, Tensor]:
+        la = mj.SubnetLaplace(model, "classification", subset, memory_budget=budget)
+        start = time.perf_counter()
+        la.fit([(x, y)])
+        assert la.H is not None
+        return time.perf_counter() - start, la.H
+
+    try:
+        fit(1)
+        least = 0
+    except mj.MemoryBudgetError as err:
+        least = err.minimum
+    # rows of one slice: its share of the image's rows; about 6 copies of each (ours, engine's)
+    budget = least + classes * size * size // slices * 6 * subset.numel * 4
+    times: dict[str, list[float]] = {"unsliced": [], "sliced": []}
+    fit(None), fit(budget)  # warm-up (plans cached)
+    for _ in range(repeats):
+        t, h0 = fit(None)
+        times["unsliced"].append(t)
+        t, h1 = fit(budget)
+        times["sliced"].append(t)
+    med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+    return {
+        "S": size,
+        "C": classes,
+        "k": k,
+        "memory_budget": budget,
+        "unsliced_s": med["unsliced"],
+        "sliced_s": med["sliced"],
+        "ratio": med["sliced"] / med["unsliced"],
+        "rel_diff": float((h1 - h0).abs().max() / h0.abs().max()),
+    }
+
+
+def dense_main(args: argparse.Namespace) -> int:
+    cells = [
+        dense_cell(s, args.dense_classes, args.dense_k, args.repeats)
+        for s in (args.dense_sizes or [48])
+    ]
+    rows = [
+        [c["S"], c["C"], c["k"], c["memory_budget"], fmt_seconds(c["unsliced_s"]),
+         fmt_seconds(c["sliced_s"]), f"{c['ratio']:.2f}", f"{c['rel_diff']:.1e}"]
+        for c in cells
+    ]  # fmt: skip
+    head = ["S", "C", "k", "budget B", "unsliced s", "sliced s", "sliced / unsliced", "rel diff"]
+    print(markdown_table(head, rows))
+    out = Path(args.out) if args.out else DEFAULT_OUT
+    write_json(out / "bench_laplace_dense.json", {"env": env_stamp("cpu"), "cells": cells})
+    return 0
+
+
 # ---------------------------------------------------------------------- main
 def _summary(rec: dict[str, Any]) -> str:
     if "seconds" not in rec:
@@ -436,6 +516,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per worker")
     p.add_argument("--out", help="output folder (default: benchmarks/results)")
+    p.add_argument("--dense", action="store_true", help="the dense-output row only")
+    p.add_argument("--dense-sizes", nargs="*", type=int, help="image sizes S (default: 48)")
+    p.add_argument("--dense-classes", type=int, default=3)
+    p.add_argument("--dense-k", type=int, default=100)
     p.add_argument("--worker", nargs=3, metavar=("METHOD", "B", "K"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -444,4 +528,6 @@ if __name__ == "__main__":
     args = parse()
     if args.worker:
         sys.exit(guarded(worker, args))
+    if args.dense:
+        sys.exit(dense_main(args))
     sys.exit(main(args))

@@ -93,13 +93,16 @@ class _Block(NamedTuple):
     """Rows of one sample's Jacobian: ``out`` the outputs of the rows (classification:
     ``(C, m)``, all classes of ``m`` positions; regression: ``(rows,)``), ``jac`` ``(rows, P)``,
     ``span`` the positions (classification) or entries (regression) ``[a, b)`` covered and
-    ``shape`` the sample's whole output shape (no batch dim)."""
+    ``shape`` the sample's whole output shape (no batch dim). A fit's block of a whole sample
+    may carry its curvature instead of rows (``jac`` ``None``): ``ggn`` ``(P, P)``, or the
+    gradient ``(P,)`` for the empirical Fisher."""
 
     i: int
     out: Tensor
-    jac: Tensor
+    jac: Tensor | None
     span: tuple[int, int]
     shape: torch.Size
+    ggn: Tensor | None = None
 
 
 #: default bytes for the Jacobian rows held at once (per chunk of samples or output positions)
@@ -240,6 +243,8 @@ class SubnetLaplace:
         *,
         progress: bool = False,
         process_group: Any = None,
+        max_outputs_per_sample: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> SubnetLaplace:
         """Accumulate the subset curvature ``H`` (``(P, P)``) and the loss at the MAP.
 
@@ -255,12 +260,23 @@ class SubnetLaplace:
             process_group: With ``torch.distributed`` initialised, every rank fits its shard of
                 the data and ``H``, the loss and the counts are all-reduced once at the end:
                 every rank ends with the fit over all of the data (``None``: the default group).
+            max_outputs_per_sample: Opt-in unbiased subsampling of the curvature (``None``:
+                exact). A sample with more output positions ``M`` (classification: pixels, all
+                classes of a pixel kept together; regression: output entries) than this
+                contributes the GGN of ``m = max_outputs_per_sample`` positions drawn
+                uniformly without replacement, times ``M / m``: its expectation is the exact
+                GGN. Its rows are ``C m`` pullbacks through one forward pass: the cost follows
+                ``m``, not the image size. The loss stays exact; ``hessian="ggn"`` only.
+            generator: Seeds the subsampling.
 
         Returns:
             ``self``.
         """
         progress = check_bool(progress, "progress") | check_bool(progress_bar, "progress_bar")
         override = check_bool(override, "override")
+        sampling = _Sampling(
+            self._check_max_outputs(max_outputs_per_sample), check_generator(generator)
+        )
         data = train_loader
         reducer = Reducer(process_group)
         p = self.subset.numel
@@ -275,7 +291,8 @@ class SubnetLaplace:
             packed = self._prep.pack(inputs, finite=True)
             per_sample = [t.to(self.mean.device) for t in split_targets(targets, len(packed))]
             pending: Tensor | None = None  # empirical: a sample's gradient, over its blocks
-            for block in self._jacobians(packed):
+            spec = _FitSpec(per_sample, seen, self, sampling)
+            for block in self._jacobians(packed, spec):
                 y = check_target(
                     per_sample[block.i],
                     block.shape,
@@ -321,6 +338,13 @@ class SubnetLaplace:
         rows = out.reshape(1, -1) if regression else out.unsqueeze(0)
         self.loss += float(nll_sum(rows, y.unsqueeze(0), self.likelihood, 1.0, self.ignore_index))
         self.n_outputs += out.numel() if regression else 0
+        if block.ggn is not None:  # a whole sample's curvature (or gradient), computed already
+            if block.ggn.dim() == 1:
+                return block.ggn
+            h.add_(block.ggn)
+            return None
+        if jac is None:  # pragma: no cover - a block without curvature carries its Jacobian
+            raise RuntimeError("internal error: a Laplace block carries neither curvature nor rows")
         if self.hessian is HessianKind.EMPIRICAL:
             return jac.T @ output_gradient(out, y, self.likelihood, valid)
         root, mixed = ggn_factors(out, jac, self.likelihood, valid)
@@ -783,7 +807,10 @@ class SubnetLaplace:
         shapes: list[torch.Size] = [torch.Size()] * n
         vector = True
         cls = self.likelihood is Likelihood.CLASSIFICATION
-        for i, out, jac, _, shape in self._blocks(inputs, packed):
+        for block in self._blocks(inputs, packed):
+            i, out, jac, shape = block.i, block.out, block.jac, block.shape
+            if jac is None:  # pragma: no cover - predictive blocks always carry rows
+                raise RuntimeError("internal error: a predictive block without Jacobian rows")
             shapes[i] = shape
             v = self._whiten(jac)  # (P, rows)
             var = (v * v).sum(0)
@@ -938,10 +965,11 @@ class SubnetLaplace:
         rows = max(least, (self.memory_budget - kept - base) // (ours + grows))
         return rows * ours, self.memory_budget - kept - rows * ours
 
-    def _jacobians(self, packed: PackedBatch) -> Iterator[_Block]:
+    def _jacobians(self, packed: PackedBatch, fit: _FitSpec | None = None) -> Iterator[_Block]:
         """The Jacobian rows of every sample with the outputs of the same pass, in sample order,
         a chunk of samples (or, for one sample above the budget, of its output positions) at a
-        time."""
+        time. In a fit (``fit``), a sample above the budget or subsampled comes as one block
+        carrying its curvature (:meth:`_curvature`): the model is not re-run per slice."""
         fn = self._function(packed)
         values = fn.values()
         n = packed.num_samples
@@ -957,12 +985,22 @@ class SubnetLaplace:
         row_bytes, engine_budget = self._budget(packed, shapes, options)
         options = dataclasses.replace(options, memory_budget=engine_budget)
         most = self.chunk_size or n
+
+        def alone(i: int) -> bool:  # a fit's sample above the budget or subsampled
+            big = math.prod(shapes[i]) * per_row > row_bytes
+            return fit is not None and (big or fit.sampled(self._positions(shapes[i])))
+
         start = 0
         while start < n:
+            if alone(start):
+                yield self._curvature(packed, start, shapes[start], fit, row_bytes)
+                start += 1
+                continue
             stop, rows = start + 1, math.prod(shapes[start])
             while (
                 stop < n
                 and stop - start < most
+                and not alone(stop)
                 and (rows + math.prod(shapes[stop])) * per_row <= row_bytes
             ):
                 rows += math.prod(shapes[stop])
@@ -1005,6 +1043,123 @@ class SubnetLaplace:
             rows = res.output_sizes[0]
             out = self._rows(res.outputs[0, :rows], shape)
             yield _Block(i, out, res.jacobian[0, :rows], (a, b), shape)
+
+    def _positions(self, shape: torch.Size) -> int:
+        """Output positions of a sample (classification: pixels; regression: entries)."""
+        cls = self.likelihood is Likelihood.CLASSIFICATION
+        return math.prod(shape[1:]) if cls else math.prod(shape)
+
+    def _check_max_outputs(self, value: Any) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"max_outputs_per_sample must be None or a positive int; got {value!r}"
+            )
+        if self.hessian is HessianKind.EMPIRICAL:
+            raise ValueError(
+                "max_outputs_per_sample subsamples the GGN; hessian='empirical' has no "
+                f"unbiased subsample (got max_outputs_per_sample={value!r})"
+            )
+        return value
+
+    def _curvature(
+        self,
+        packed: PackedBatch,
+        i: int,
+        shape: torch.Size,
+        fit: _FitSpec,
+        row_bytes: int,
+    ) -> _Block:
+        """Sample ``i``'s block carrying its whole curvature, from ONE forward pass kept for
+        reverse mode (its pullback ``pull``): the empirical gradient (one pullback); a random
+        subset of its positions, or all of its rows when they are no more than ``P``, by
+        pulling the rows back in blocks (:meth:`_reverse_ggn`); else ``H[:, A] = J^T Lambda
+        J_A`` for column chunks ``A`` of the entries, ``J_A`` and its pullback from the same
+        pass (:meth:`_column_ggn`). The model runs once for the sample, however many slices
+        its rows would need."""
+        one = packed.select([i])
+        fn = self._function(one)
+        levels = tuple(one.sample(0))
+        flat, pull = torch.func.vjp(lambda *v: fn(v, *levels), *fn.values())
+        out = self._rows(flat.detach(), shape)
+        y = fit.target(i, shape)
+        cls = self.likelihood is Likelihood.CLASSIFICATION
+        valid = y != self.ignore_index if cls else None
+        if self.hessian is HessianKind.EMPIRICAL:
+            grad = output_gradient(out, y if cls else y.to(out.dtype), self.likelihood, valid)
+            ggn = self._pulled(pull, grad.unsqueeze(0))[0]
+        elif fit.sampled(self._positions(shape)) or out.numel() <= self.subset.numel:
+            positions, scale = fit.sampling.draw(self._positions(shape), out.device)
+            ggn = self._reverse_ggn(out, pull, valid, positions, row_bytes) * scale
+        else:
+            ggn = self._column_ggn(out, pull, valid, row_bytes)
+        return _Block(i, out, None, (0, out.shape[-1]), shape, ggn)
+
+    def _pulled(self, pull: Callable[..., tuple[Tensor, ...]], cot: Tensor) -> Tensor:
+        """``cot @ J`` ``(r, P)`` (flat order) for cotangents ``cot`` ``(r, O)`` through one
+        kept forward pass."""
+        grads = torch.func.vmap(pull)(cot)
+        return self.subset.to_flat_order(torch.cat([g.reshape(len(cot), -1) for g in grads], 1))
+
+    def _reverse_ggn(
+        self,
+        out: Tensor,
+        pull: Callable[..., tuple[Tensor, ...]],
+        valid: Tensor | None,
+        positions: Tensor,
+        row_bytes: int,
+    ) -> Tensor:
+        """``sum J_q^T Lambda_q J_q`` over ``positions`` (all classes of each), the rows
+        pulled back in blocks that fit ``row_bytes`` (each row: itself, its one-hot cotangent
+        and the pulled copy)."""
+        p, s = self.subset.numel, out.element_size()
+        c = out.shape[0] if out.dim() == 2 else 1
+        width, total = out.shape[-1], out.numel()
+        step = max(1, row_bytes // (c * (3 * p + 2 * total) * s))
+        h = out.new_zeros(p, p)
+        for a in range(0, len(positions), step):
+            q = positions[a : a + step]
+            rows = (torch.arange(c, device=q.device).unsqueeze(1) * width + q).reshape(-1)
+            cot = out.new_zeros(rows.numel(), total)
+            cot[torch.arange(rows.numel(), device=q.device), rows] = 1
+            jac = self._pulled(pull, cot)
+            sub = out[:, q] if out.dim() == 2 else out[q]
+            root, mixed = ggn_factors(
+                sub, jac, self.likelihood, None if valid is None else valid[q]
+            )
+            h.addmm_(root.T, root)
+            if mixed is not None:
+                h.addmm_(mixed.T, mixed, alpha=-1.0)
+        return h
+
+    def _column_ggn(
+        self,
+        out: Tensor,
+        pull: Callable[..., tuple[Tensor, ...]],
+        valid: Tensor | None,
+        row_bytes: int,
+    ) -> Tensor:
+        """``J^T Lambda J`` by column chunks ``A`` of the entries, all from the one kept
+        forward pass: ``J_A`` by transposing the pullback (``v -> J^T v`` is linear, so its own
+        pullback is ``u -> J u``: a double backward, vmapped over the chunk's one-hot
+        tangents), then ``Lambda J_A`` pulled back gives the rows ``H[A, :]``. ``k`` columns
+        at a time from ``row_bytes`` (the chunk, ``Lambda J_A`` and the pulled copy)."""
+        p, column = self.subset.numel, out.numel() * out.element_size()
+        k = max(1, min(p, row_bytes // (3 * column)))
+        _, transposed = torch.func.vjp(pull, out.new_zeros(out.numel()))
+        eye = torch.eye(p, dtype=out.dtype, device=out.device)
+
+        def ggn_column(*tangent: Tensor) -> Tensor:  # J^T Lambda J e_j, grouped
+            col = transposed(tangent)[0].unsqueeze(1)  # J e_j (O, 1)
+            grads = pull(_lambda_times(out, col, self.likelihood, valid).squeeze(1))
+            return torch.cat([g.reshape(-1) for g in grads])
+
+        h = out.new_zeros(p, p)
+        for a in range(0, p, k):
+            tangents = tuple(self.subset.split(eye[a : a + k]).values())
+            h[a : a + k] = self.subset.to_flat_order(torch.func.vmap(ggn_column)(*tangents))
+        return (h + h.T) / 2
 
     def _engine(
         self,
@@ -1519,6 +1674,53 @@ def _cholesky(mat: Tensor) -> Tensor:
             f"{int(info)}); increase prior_precision"
         )
     return chol
+
+
+class _Sampling(NamedTuple):
+    """A fit's output-position subsampling: at most ``most`` positions per sample (``None``:
+    exact), drawn with ``generator``."""
+
+    most: int | None
+    generator: torch.Generator | None
+
+    def draw(self, positions: int, device: torch.device) -> tuple[Tensor, float]:
+        """Sorted positions ``(m,)`` drawn uniformly without replacement and the factor
+        ``positions / m`` that makes their GGN unbiased (all of them, 1, when exact)."""
+        if self.most is None or positions <= self.most:
+            return torch.arange(positions, device=device), 1.0
+        picked = torch.randperm(positions, generator=self.generator)[: self.most]
+        return picked.sort().values.to(device), positions / self.most
+
+
+@dataclass
+class _FitSpec:
+    """What :meth:`SubnetLaplace._jacobians` needs to hand a fit whole samples' curvature: the
+    batch's targets (checked on use), the samples seen before it and the subsampling."""
+
+    targets: list[Tensor]
+    seen: int
+    la: SubnetLaplace
+    sampling: _Sampling
+
+    def sampled(self, positions: int) -> bool:
+        return self.sampling.most is not None and positions > self.sampling.most
+
+    def target(self, i: int, shape: torch.Size) -> Tensor:
+        la = self.la
+        return check_target(self.targets[i], shape, la.likelihood, la.ignore_index, self.seen + i)
+
+
+def _lambda_times(out: Tensor, jac: Tensor, likelihood: Likelihood, valid: Tensor | None) -> Tensor:
+    """``Lambda J`` for rows ``jac`` ``(O, k)`` of one sample: per position ``(diag(p) - p
+    p^T) J`` (classification, ``out`` ``(C, m)``; ``p`` zero where not ``valid``) or ``J``."""
+    if likelihood is Likelihood.REGRESSION:
+        return jac
+    c, m = out.shape
+    prob = torch.softmax(out, dim=0)
+    if valid is not None:
+        prob = prob * valid.to(prob.dtype)
+    pj = prob.unsqueeze(-1) * jac.reshape(c, m, -1)
+    return (pj - prob.unsqueeze(-1) * pj.sum(0, keepdim=True)).reshape(c * m, -1)
 
 
 def _span_fn(
