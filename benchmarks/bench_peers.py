@@ -122,7 +122,7 @@ GRID: dict[str, tuple[str, ...]] = {
     "laplace": ("resnet8", "vgg11_bn_q", *_NEW, "transformer"),
 }
 QUICK_GRID: dict[str, tuple[str, ...]] = {
-    "jacobian": ("convblock", "det_head"),
+    "jacobian": ("det_head",),
     "ragged": ("det_head",),
     "subset": ("det_head",),
     "fisher": ("resnet8",),
@@ -172,10 +172,10 @@ class GeluCNN(nn.Module):
     def __init__(self, num_outputs: int = NUM_CLASSES) -> None:
         super().__init__()
         conv = lambda a, b: (nn.Conv2d(a, b, 3, padding=1), nn.GELU())  # noqa: E731
-        pool = nn.AvgPool2d(2)
         self.features = nn.Sequential(
-            *conv(3, 32), *conv(32, 32), pool, *conv(32, 64), pool, *conv(64, 64)
+            *conv(3, 32), *conv(32, 32), nn.AvgPool2d(2), *conv(32, 64), nn.AvgPool2d(2)
         )
+        self.features.extend(conv(64, 64))
         self.fc = nn.Linear(64, num_outputs)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -674,10 +674,11 @@ def _import(module: str, what: str) -> Any:
 
 
 def _reuses_modules(cell: Cell) -> bool:
-    """Whether a forward calls some module more than once (a head shared over levels)."""
+    """Whether a forward calls a module holding parameters more than once (a shared head)."""
     calls: dict[int, int] = {}
     hook = lambda m, _i, _o: calls.__setitem__(id(m), calls.get(id(m), 0) + 1)  # noqa: E731
-    handles = [m.register_forward_hook(hook) for m in cell.model.modules()]
+    owners = [m for m in cell.model.modules() if any(True for _ in m.parameters(recurse=False))]
+    handles = [m.register_forward_hook(hook) for m in owners]
     try:
         with torch.no_grad():
             cell.forward(cell.model, [t[None] for t in cell.batch.samples[0]])
@@ -1800,14 +1801,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--device", default="cpu", help="cpu or cuda (default cpu)")
     add("--threads", type=int, default=2, help="torch threads and Timer num_threads (2)")
     add("--min-run-time", type=float, default=0.0, help="Timer min_run_time (0.5; quick 0.2)")
-    add("--method-limit", type=float, default=40.0, help="skip a method estimated slower (s/call)")
+    add("--method-limit", type=float, help="skip a method estimated slower (s/call; 40, quick 10)")
     add("--max-gb", type=float, default=4.0, help="skip a method whose memory estimate is larger")
     add(
         "--memory",
         choices=("all", "main", "none"),
-        default="all",
-        help="peak memory per method "
-        "in a fresh process: all, main (train step, auto, best other, best route) or none",
+        help="peak memory per method in a fresh process: all (default), main (quick's default: "
+        "train step, auto, best other, best route) or none",
     )
     add("--check-tol", type=float, default=1e-9, help="float64 relative tolerance (1e-9)")
     add("--f32-tol", type=float, default=1e-3, help="float32 relative tolerance vs the first peer")
@@ -1823,6 +1823,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = argv  # what the workers get (their --worker-* flag takes precedence)
     args.min_run_time = args.min_run_time or (0.2 if args.quick else 0.5)
+    args.method_limit = args.method_limit or (10.0 if args.quick else 40.0)
+    args.memory = args.memory or ("main" if args.quick else "all")
     return args
 
 
