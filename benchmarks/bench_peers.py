@@ -73,6 +73,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,7 @@ from bench_jacnorm import WIDTHS as JACNORM_WIDTHS
 from bench_jacnorm import PlainCNN
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, jvp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_leaves
 
 import multiscale_jac as mj
@@ -1160,6 +1162,15 @@ def reference(cell: Cell, batch: Batch) -> Tensor:
     params = list(cell.model.parameters())
     sink = Sink(cell, batch)
     logits = torch.zeros(batch.n, batch.o_max, dtype=cell.dtype, device=cell.device)
+    math = sdpa_kernel([SDPBackend.MATH]) if cell.workload == "jacnorm" else nullcontext()
+    with math:
+        _reference_rows(cell, batch, params, sink, logits)
+    return ggn(sink.result(), logits) if cell.workload == "laplace" else sink.result()
+
+
+def _reference_rows(
+    cell: Cell, batch: Batch, params: list[Tensor], sink: Sink, logits: Tensor
+) -> None:
     for i, s in enumerate(batch.samples):
         y = cell.forward(cell.model, [t[None] for t in s])[0]
         logits[i, : y.numel()] = y.detach()
@@ -1183,13 +1194,14 @@ def reference(cell: Cell, batch: Batch) -> Tensor:
                 sink.value[i, r0 : r0 + len(eye)] = cell.select(rows)
             continue
         for r in range(y.numel()):  # jacnorm: grad of sum_o ||d y_o / d theta||^2
+            # (attention's fused kernels have no double backward: the forward above ran the
+            # math form, see the caller)
             gs = torch.autograd.grad(
                 y[r], params, retain_graph=True, allow_unused=True, create_graph=True
             )
             sq = sum((g**2).sum() for g in gs if g is not None)
             gs = torch.autograd.grad(sq, params, retain_graph=True, allow_unused=True)
             sink.add(None, flat_grads(params, gs)[None])
-    return ggn(sink.result(), logits) if cell.workload == "laplace" else sink.result()
 
 
 def value_of(result: Any) -> Tensor:
@@ -1428,6 +1440,10 @@ CELL_NOTES: dict[str, str] = {}
 def slow_note(c: dict[str, Any]) -> str:
     """A note for a cell where ``library_auto`` is slower than the best other method."""
     lob = c.get("library_over_best_other")
+    if lob is None and c.get("best_route") and not c.get("best_other"):
+        errors = [r.get("error") for r in c.get("methods", {}).values() if r.get("kind") == "peer"]
+        first = next((e for e in errors if e), "")
+        return "only the library ran here" + (f"; the others fail: {first}" if first else "")
     if lob is None or lob <= 1.0:
         return ""
     if c["name"] in CELL_NOTES:

@@ -39,6 +39,7 @@ from ._checks import (
     warn_fallback,
 )
 from ._distributed import Reducer
+from ._ops import twice_differentiable
 from ._planning import COUNTS, PLAN_CACHE, EngineOptions, measure, plan_key, subset_key
 from ._stream import with_progress
 from .enums import (
@@ -62,8 +63,8 @@ _LAYERWISE_BYTES = 16 * 2**20
 _HVP_CHUNK = 16
 #: per-sample gradients a ``vmap`` / ``hvp`` chunk keeps, at most (its default chunk size)
 _VMAP_BYTES = 256 * 2**20
-#: ``tune="auto"`` probes only when the job is at least this many times the probing
-PROBE_SHARE = 10
+#: ``auto`` also times the ``vmap`` route at half its chunk when the chunk is at least this
+_HALF_CHUNK_FROM = 8
 
 
 def jacobian_sq_norm(
@@ -91,8 +92,9 @@ def jacobian_sq_norm(
     """``S(theta) = sum_i sum_o sum_p J_iop^2`` over the selected entries ``p``, differentiable.
 
     ``(task_loss + lam * S).backward()`` adds ``lam * grad S`` (exact, w.r.t. every parameter
-    of ``model`` that requires grad) into ``.grad``; the backward recomputes per chunk of
-    ``chunk_size`` samples, so memory is bounded whatever the number of samples. Options shared
+    of ``model`` that requires grad) into ``.grad``. One pass over chunks of ``chunk_size``
+    samples computes value and gradient (kept for the backward in a parameter-sized buffer;
+    under ``torch.no_grad()``, only the value): memory does not grow with the samples. Options shared
     with the other entry points mean the same everywhere (the options table in
     ``docs/design.md``).
 
@@ -151,7 +153,9 @@ def jacobian_sq_norm(
         tune=parse_enum(Tune, tune, "tune"),
     )
     if not accumulate_grad:
-        return _SqNorm.apply(job, *job.trainable.values())
+        leaves = list(job.trainable.values())
+        needs_grad = torch.is_grad_enabled() and bool(leaves)
+        return _SqNorm.apply(job, needs_grad, *leaves)
     return _accumulate(job, scale, Reducer(process_group))
 
 
@@ -231,16 +235,27 @@ def _check_accumulate(accumulate_grad: Any, scale: Any, process_group: Any) -> b
 
 
 class _SqNorm(torch.autograd.Function):
+    """``S`` as a node of the caller's graph. Where the result will need a gradient (grad mode
+    on and a parameter requiring grad), the forward computes ``S`` and ``grad S`` in the same
+    pass over the chunks and keeps ``grad S`` (one parameter-sized buffer) for the backward:
+    a separate value-only pass would cost about a quarter more. Otherwise only ``S``."""
+
     @staticmethod
-    def forward(ctx, job: _Job, *leaves: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.job = job
-        value, _ = job.run(with_grad=False)
+    def forward(ctx, job: _Job, needs_grad: bool, *leaves: Tensor) -> Tensor:  # type: ignore[override]
+        value, grads = job.run(with_grad=needs_grad)
+        ctx.names = list(job.trainable)
+        ctx.grads = grads
         return value
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple:  # type: ignore[override]
-        _, grads = ctx.job.run(with_grad=True)
-        return (None, *(g * grads[name] for name in ctx.job.trainable))
+        grads, ctx.grads = ctx.grads, None  # freed with the graph (a second backward: error)
+        if grads is None:
+            raise RuntimeError(
+                "jacobian_sq_norm: the gradient was used by an earlier backward; call "
+                "jacobian_sq_norm again (retain_graph does not keep it)"
+            )
+        return (None, None, *(g * grads[name] for name in ctx.names))
 
 
 class _Job:
@@ -292,9 +307,11 @@ class _Job:
         self._sizing = (chunk_size, memory_budget, dtype)
         self._chunk_of: dict[JacNormMethod, int] = {}
         self.probes = None
+        #: ``(method, chunk)`` routes to time on the first chunks of the run (``auto``)
+        self.trial: list[tuple[JacNormMethod, int]] | None = None
         if estimator is Estimator.HUTCHINSON:
             self.probes = self._probes(num_probes or 8, generator, dtype)
-        # the backward's recomputation draws the forward's random masks
+        # every pass (a timing probe, the run) draws the masks of the call's random state
         self.rng_state: tuple[Tensor, Tensor | None] | None = None
         if self.randomness is not Randomness.ERROR:
             cuda = torch.cuda.get_rng_state(self.fn.device) if self.devices else None
@@ -340,46 +357,40 @@ class _Job:
         return found
 
     def tune(self, tune: Tune) -> None:
-        """Under ``method="auto"``: the method of a cached decision, else the fastest on a
-        probe of the data (two samples from each of the two largest buckets, with the
-        gradient, after a warm-up), when the probe costs under a tenth of the job."""
+        """Under ``method="auto"``: the route of a cached decision; else, when the largest
+        bucket has samples for a warm-up chunk and one chunk of each candidate route (``auto``;
+        ``measure``: always), those routes are timed on the first chunks of the run itself
+        (:meth:`_try_routes`): the chunks are part of the job, so timing costs only the
+        slower routes' extra time, not a separate probe. Candidates: every method that
+        applies, and ``vmap`` also at half its default chunk."""
         if self.requested is not JacNormMethod.AUTO:
             return
         cached = PLAN_CACHE.get(self.fn.model, self.key)
         if cached is not None:
-            self.method = cached
-            self.notes.append(f"cached choice: {cached.value!r} (the same shapes ran before)")
-            return
-        methods = self.candidates()
-        largest = max(self.packed.buckets(), key=lambda b: len(b.indices))
-        probes = {}
-        for m in methods:
-            with contextlib.suppress(MemoryBudgetError):  # a method over budget: no candidate
-                probes[m] = largest.indices[: self.chunk_for(m)]
-        probed = sum(2 * len(idx) for idx in probes.values())  # a warm-up and a timed run
-        worth = len(self.packed) >= PROBE_SHARE * probed
-        if tune is Tune.ESTIMATE or (tune is Tune.AUTO and not worth) or len(probes) < 2:
-            return
-        times = {}
-        for method, idx in probes.items():
-            COUNTS["probe"] += 1
-            chunk = [(largest.indices[0], idx)]
-            try:
-                with torch.random.fork_rng(devices=self.devices):
-                    self._route(method)(True, chunk)  # warm-up
-                    start = time.perf_counter()
-                    self._route(method)(True, chunk)
-                    times[method] = (time.perf_counter() - start) / len(idx)
-            except (RuntimeError, NotLayerwiseError):
-                continue
-        if times:
-            self.method = min(times, key=times.__getitem__)
-            PLAN_CACHE.put(self.fn.model, self.key, self.method)
+            self.method, self._chunk_of[cached[0]] = cached
             self.notes.append(
-                "tune: timed one chunk of each method: "
-                + ", ".join(f"{m.value} {s * 1e3:.1f} ms" for m, s in times.items())
-                + f" per sample; chose {self.method.value!r}"
+                f"cached choice: {cached[0].value!r}, {cached[1]} samples a chunk (the same "
+                "shapes ran before)"
             )
+            return
+        routes = []
+        for m in self.candidates():
+            with contextlib.suppress(MemoryBudgetError):  # a method over budget: no candidate
+                chunk = self.chunk_for(m)
+                routes.append((m, chunk))
+                if m is JacNormMethod.VMAP and chunk >= _HALF_CHUNK_FROM:
+                    routes.append((m, chunk // 2))
+        largest = max(len(b.indices) for b in self.packed.buckets())
+        needed = self.chunk_for(self.method) + sum(c for _, c in routes)
+        if tune is Tune.ESTIMATE or len(routes) < 2:
+            return
+        if tune is Tune.AUTO and largest < needed:
+            self.notes.append(
+                f"tune: {largest} samples in the largest bucket, {needed} needed to time "
+                f"{len(routes)} routes on the data: ran the estimate"
+            )
+            return
+        self.trial = routes
 
     def chunk_for(self, method: JacNormMethod) -> int:
         """Samples per chunk of ``method`` (worked out once per method)."""
@@ -434,11 +445,8 @@ class _Job:
         with torch.no_grad(), torch.random.fork_rng(devices=self.devices):
             return int(self.fn.call(self.fn.params, levels).numel())
 
-    def _progress(self, chunks: list[tuple[int, list[int]]] | None) -> Any:
-        """The chunks to run (``None``: every chunk of the batch, with a progress bar)."""
-        if chunks is not None:
-            return chunks
-        chunks = self._chunks()
+    def _progress(self, chunks: list[tuple[int, list[int]]]) -> Any:
+        """The chunks with a progress bar where one was asked for."""
         return with_progress(chunks, self.progress, "jacobian_sq_norm", len(chunks))
 
     def _rows(self, first: int, idx: list[int], like: Tensor) -> Tensor:
@@ -449,25 +457,34 @@ class _Job:
         o = self.outputs[first]
         return torch.eye(o, dtype=like.dtype, device=like.device).expand(len(idx), o, o)
 
-    def _chunks(self) -> list[tuple[int, list[int]]]:
-        """``(first sample of the bucket, chunk's samples)`` for every chunk."""
+    def _chunks(self, done: set[int]) -> list[tuple[int, list[int]]]:
+        """``(first sample of the bucket, chunk's samples)`` for every chunk of the samples
+        not ``done``."""
         chunk = self.chunk_for(self.method)
-        return [
-            (b.indices[0], b.indices[s : s + chunk])
-            for b in self.packed.buckets()
-            for s in range(0, len(b.indices), chunk)
-        ]
+        found = []
+        for b in self.packed.buckets():
+            rest = [i for i in b.indices if i not in done]
+            found += [(b.indices[0], rest[s : s + chunk]) for s in range(0, len(rest), chunk)]
+        return found
 
     def run(self, *, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """``S`` and (optionally) ``grad S`` w.r.t. every parameter, summed over chunks."""
-        with torch.random.fork_rng(devices=self.devices, enabled=self.rng_state is not None):
+        with (
+            twice_differentiable(),
+            torch.random.fork_rng(devices=self.devices, enabled=self.rng_state is not None),
+        ):
             if self.rng_state is not None:
                 torch.set_rng_state(self.rng_state[0])
                 if self.rng_state[1] is not None:
                     torch.cuda.set_rng_state(self.rng_state[1], self.fn.device)
+            done: set[int] = set()
+            total = self._zero(with_grad)
+            if self.trial is not None and with_grad:
+                self._try_routes(total, done)
+            chunks = self._progress(self._chunks(done))
             if self.method is JacNormMethod.LAYERWISE:
                 try:
-                    return self._run_layerwise(with_grad)
+                    return self._add(total, self._run_layerwise(with_grad, chunks))
                 except NotLayerwiseError as err:
                     if self.strict:
                         raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
@@ -475,7 +492,62 @@ class _Job:
                     warn_fallback([msg])
                     self.notes.append(msg)
                     self.method = JacNormMethod.VMAP
-            return self._route(self.method)(with_grad)
+                    chunks = self._progress(self._chunks(done))
+            return self._add(total, self._route(self.method)(with_grad, chunks))
+
+    def _zero(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        value = next(iter(self.fn.params.values())).new_zeros(())
+        grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
+        return value, grads
+
+    def _add(
+        self, total: tuple[Tensor, dict[str, Tensor]], part: tuple[Tensor, dict[str, Tensor]]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``total += part`` (the gradient of the trainable parameters only), in place."""
+        total[0].add_(part[0])
+        for n, g in total[1].items():
+            g += part[1][n]
+        return total
+
+    def _try_routes(self, total: tuple[Tensor, dict[str, Tensor]], done: set[int]) -> None:
+        """Run the first chunks of the largest bucket with each route of :attr:`trial` (after
+        one warm-up chunk with the estimate's), timing each; their results go into
+        ``total`` and their samples into ``done``. The fastest route per sample is cached and
+        runs the rest. Where the bucket has too few samples (``tune="measure"``), the late
+        routes run on samples already counted and their results are dropped."""
+        routes, self.trial = self.trial or [], None
+        bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
+        pool = list(bucket.indices)
+        warm = (self.method, self.chunk_for(self.method))
+        times: dict[tuple[JacNormMethod, int], float] = {}
+        for (method, chunk), timed in [(warm, False), *((r, True) for r in routes)]:
+            counted = len(pool) >= min(chunk, len(bucket.indices))
+            idx = pool[:chunk] if counted else list(bucket.indices[:chunk])
+            COUNTS["probe"] += timed
+            try:
+                start = time.perf_counter()
+                part = self._route(method)(True, [(bucket.indices[0], idx)])
+                for device in self.devices:
+                    torch.cuda.synchronize(device)
+                elapsed = time.perf_counter() - start
+            except (RuntimeError, NotLayerwiseError) as err:  # not a candidate after all
+                self.notes.append(f"tune: {method.value} failed on the data ({err})")
+                continue
+            if timed:
+                times[(method, chunk)] = elapsed / len(idx)
+            if counted:
+                self._add(total, part)
+                pool = pool[len(idx) :]
+                done.update(idx)
+        if times:
+            self.method, chunk = min(times, key=times.__getitem__)
+            self._chunk_of[self.method] = chunk
+            PLAN_CACHE.put(self.fn.model, self.key, (self.method, chunk))
+            self.notes.append(
+                "tune: timed a chunk of each route on the data: "
+                + ", ".join(f"{m.value}/{c} {t * 1e3:.1f} ms" for (m, c), t in times.items())
+                + f" per sample; chose {self.method.value!r} with {chunk} samples a chunk"
+            )
 
     def _route(self, method: JacNormMethod) -> Any:
         return {
@@ -484,9 +556,7 @@ class _Job:
             JacNormMethod.HVP: self._run_hvp,
         }[method]
 
-    def _run_layerwise(
-        self, with_grad: bool, chunks: list[tuple[int, list[int]]] | None = None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def _run_layerwise(self, with_grad: bool, chunks: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Per chunk: batched forward, one backward per output row / probe with the layer-wise
         hooks (``create_graph`` for the gradient), ``S_chunk``, then its backward."""
         if self.plan is None:  # not reachable: method is layerwise only with a plan
@@ -494,7 +564,7 @@ class _Job:
         params = list(self.trainable.values())
         value = params[0].new_zeros(()) if params else torch.zeros(())
         grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
-        for _, idx in self._progress(chunks):
+        for _, idx in chunks:
             lv, out, run = batched_run(
                 self.fn,
                 self.packed.stack(idx),
@@ -522,9 +592,7 @@ class _Job:
             value = value + part.detach()
         return value, grads
 
-    def _run_hvp(
-        self, with_grad: bool, chunks: list[tuple[int, list[int]]] | None = None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def _run_hvp(self, with_grad: bool, chunks: Any) -> tuple[Tensor, dict[str, Tensor]]:
         base = self.fn.params
         fn, mask = self.fn, self.mask
         value = next(iter(base.values())).new_zeros(())
@@ -547,7 +615,7 @@ class _Job:
             scale = 1.0 if self.probes is None else 1.0 / us.shape[0]
             return vals.sum() * scale, {n: h.sum(0) * scale for n, h in hvs.items()}
 
-        for first, idx in self._progress(chunks):
+        for first, idx in chunks:
             levels = self.packed.stack(idx)
             us = self._rows(first, idx, value)
             with torch.no_grad():
@@ -557,9 +625,7 @@ class _Job:
                 grads[n] += h.sum(0)
         return value, grads
 
-    def _run_vmap(
-        self, with_grad: bool, chunks: list[tuple[int, list[int]]] | None = None
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def _run_vmap(self, with_grad: bool, chunks: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Per chunk: the per-sample gradients of every output row (or probe) w.r.t. the
         subset's tensors by ``vmap(grad)``, the chunk's ``S`` and its gradient w.r.t. every
         parameter by one more reverse pass."""
@@ -592,7 +658,7 @@ class _Job:
             scale = 1.0 if self.probes is None else 1.0 / us.shape[1]
             return vmap(per_sample, randomness=self.randomness.value)(us, *levels).sum() * scale
 
-        for first, idx in self._progress(chunks):
+        for first, idx in chunks:
             levels = self.packed.stack(idx)
             us = self._rows(first, idx, value)
             with torch.no_grad():

@@ -56,6 +56,7 @@ from ._checks import (
 )
 from ._distributed import Reducer
 from ._likelihood import check_target, ggn_factors, nll_sum, output_gradient
+from ._ops import twice_differentiable
 from ._planning import EngineOptions
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from .adapter import PerSampleFunction
@@ -1081,7 +1082,8 @@ class SubnetLaplace:
         one = packed.select([i])
         fn = self._function(one)
         levels = tuple(one.sample(0))
-        flat, pull = torch.func.vjp(lambda *v: fn(v, *levels), *fn.values())
+        with twice_differentiable():  # the column route differentiates the pullback
+            flat, pull = torch.func.vjp(lambda *v: fn(v, *levels), *fn.values())
         out = self._rows(flat.detach(), shape)
         y = fit.target(i, shape)
         cls = self.likelihood is Likelihood.CLASSIFICATION

@@ -7,6 +7,7 @@ import pytest
 import torch
 from cases import DTYPE, make_subset
 from conftest import CASE_BY_ID, zoo_model
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import multiscale_jac as mj
 from multiscale_jac.jacnorm import jacobian_sq_norm, jacobian_sq_norm_backward
@@ -120,6 +121,35 @@ def test_task_loss_plus_penalty() -> None:
     model.zero_grad(set_to_none=True)
 
 
+def test_one_pass_for_value_and_gradient(monkeypatch) -> None:
+    """Where the result needs a gradient, one pass computes value and gradient (no value-only
+    pass before the backward); under no_grad only the value; a second backward of the same
+    result is refused rather than returning zeros."""
+    from multiscale_jac import jacnorm
+
+    passes: list[bool] = []
+    run = jacnorm._Job.run
+
+    def counted(self, *, with_grad: bool):
+        passes.append(with_grad)
+        return run(self, with_grad=with_grad)
+
+    monkeypatch.setattr(jacnorm._Job, "run", counted)
+    model = zoo_model("mlp_vectors")
+    x = torch.randn(4, 5, dtype=DTYPE)
+    s = jacobian_sq_norm(model, x)
+    assert s.requires_grad and passes == [True]
+    s.backward(retain_graph=True)
+    assert passes == [True]
+    with pytest.raises(RuntimeError, match="call jacobian_sq_norm again"):
+        s.backward()
+    with torch.no_grad():
+        value = jacobian_sq_norm(model, x)
+    assert passes == [True, False] and not value.requires_grad
+    torch.testing.assert_close(value, s.detach(), atol=1e-12, rtol=0)
+    model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.slow
 def test_hutchinson_is_unbiased_and_consistent() -> None:
     case = CASE_BY_ID["seed_convblock_levels"]
@@ -212,3 +242,77 @@ def test_bad_arguments(kwargs, err, match) -> None:
     model = zoo_model("mlp_vectors")
     with pytest.raises(err, match=match):
         jacobian_sq_norm(model, torch.randn(2, 5, dtype=DTYPE), **kwargs)
+
+
+def test_attention_in_float32_is_differentiated_twice() -> None:
+    """``F.scaled_dot_product_attention``'s fused CPU kernel (float32) has no double backward:
+    the regulariser runs attention by its math form and matches the float64 result."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(layer, torch.nn.Flatten(), torch.nn.Linear(8 * 5, 1)).eval()
+    x = torch.randn(3, 5, 8)
+    s = jacobian_sq_norm(model, x, method="vmap")
+    s.backward()
+    got = model[2].weight.grad.clone()
+    ref = model.double()
+    ref.zero_grad(set_to_none=True)
+    s64 = jacobian_sq_norm(ref, x.double(), method="vmap")
+    s64.backward()
+    torch.testing.assert_close(s.double(), s64, rtol=1e-4, atol=0)
+    torch.testing.assert_close(got.double(), ref[2].weight.grad, rtol=1e-3, atol=1e-5)
+
+
+class _Norms(torch.nn.Module):
+    """Layer and instance normalisation (torch's batched double backward of both is wrong)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3)
+        self.inorm = torch.nn.InstanceNorm2d(4, affine=True)
+        self.lnorm = torch.nn.LayerNorm([4, 3, 3])
+        self.head = torch.nn.Linear(36, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lnorm(torch.tanh(self.inorm(self.conv(x)))).flatten(1))
+
+
+class _Attention(torch.nn.Module):
+    """Tokens ``(B, T, 3)``: LayerNorm, one attention head (fused kernel: no double backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(3)
+        self.qkv = torch.nn.Linear(3, 6)
+        self.head = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).unsqueeze(1).chunk(3, dim=-1)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.head(att.squeeze(1).mean(1))
+
+
+@pytest.mark.parametrize("method", ["vmap", "hvp"])
+@pytest.mark.parametrize("which", ["norms", "attention"])
+@pytest.mark.parametrize("dtype", [DTYPE, torch.float32], ids=["float64", "float32"])
+def test_normalisation_and_attention_gradients_match_the_loop(which, method, dtype) -> None:
+    """The routes that differentiate twice under ``vmap`` run layer/instance normalisation by
+    their formulas and attention by its math form: exact against plain double backward (in
+    float64; float32 against float64, where the fused attention kernel is used)."""
+    torch.manual_seed(0)
+    model = (_Norms() if which == "norms" else _Attention()).to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = (
+        torch.randn(3, 2, 5, 5, generator=g)
+        if which == "norms"
+        else torch.randn(3, 4, 3, generator=g)
+    )
+    case = type("Case", (), {"inputs": lambda: x.to(DTYPE), "output_fn": None})
+    model.zero_grad(set_to_none=True)
+    jacobian_sq_norm(model, x.to(dtype), method=method).backward()
+    got = grads_of(model)
+    model = model.to(DTYPE)
+    with sdpa_kernel([SDPBackend.MATH]):  # the reference: plain autograd, math attention
+        ref = double_backward(model, case, mj.ParamSubset.all(model))
+    tol = dict(atol=1e-10, rtol=0) if dtype is DTYPE else dict(atol=1e-4, rtol=1e-3)
+    for n in ref:
+        torch.testing.assert_close(got[n].to(DTYPE), ref[n], **tol, msg=n)

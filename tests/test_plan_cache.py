@@ -129,3 +129,40 @@ def test_tune_measure_times_the_shortlist() -> None:
     )
     assert mj.plan_cache_info().probed == probed  # cached: no second probe
     torch.testing.assert_close(again.jacobian, res.jacobian, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tune", ["auto", "measure"])
+def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
+    """``jacobian_sq_norm(method="auto")`` times its routes on the first chunks of the job
+    (each chunk counted once in the result: value and gradient equal a forced method's),
+    caches the fastest, and the second call with the same shapes probes nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model = model.to(DTYPE)
+    x = torch.randn(70 if tune == "auto" else 5, 4, dtype=DTYPE)
+
+    def value_and_grad(**kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        s = mj.jacobian_sq_norm(model, x, chunk_size=8, **kw)
+        s.backward()
+        return s.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref_s, ref_g = value_and_grad(method="hvp")
+    probed = _counts()[2]
+    got_s, got_g = value_and_grad(tune=tune)
+    assert _counts()[2] >= probed + 3  # layerwise, vmap and hvp were timed
+    assert mj.plan_cache_info().size == 1  # the choice
+    torch.testing.assert_close(got_s, ref_s, atol=1e-10, rtol=0)
+    for g, r in zip(got_g, ref_g):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+    probed = _counts()[2]
+    again_s, again_g = value_and_grad(tune=tune)
+    assert _counts()[2] == probed  # the cached choice: no probe
+    torch.testing.assert_close(again_s, ref_s, atol=1e-10, rtol=0)
+    for g, r in zip(again_g, ref_g):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+    mj.clear_plan_cache()
+    probed = _counts()[2]
+    with torch.no_grad():  # value only: nothing timed, nothing cached
+        mj.jacobian_sq_norm(model, x, chunk_size=8, tune=tune)
+    assert _counts()[2] == probed and mj.plan_cache_info().size == 0
