@@ -1,7 +1,7 @@
 """Training a small CNN with the Jacobian-norm penalty ``S = sum_i sum_o |d f_o(x_i)/d theta|^2``.
 
-``(task_loss + lam * S).backward()`` adds the exact gradient of ``S`` (Hessian-vector products,
-computed chunk by chunk). The same model (same initial weights, same batches) is trained twice:
+``(task_loss + lam * S).backward()`` adds the exact gradient of ``S`` (second derivatives,
+computed chunk by chunk by the route the library finds fastest). The same model (same initial weights, same batches) is trained twice:
 with ``lam = 0`` (plain training; ``S`` is only measured) and with ``lam > 0``. Prints the task
 loss and the penalty over steps for both, and the warm time of one training step with and
 without the penalty (median over the steps after the first, which is a warm-up). With

@@ -223,10 +223,10 @@ def run_engine(
 
 #: a job whose loop would take less (seconds) runs its cheapest plan (``tune="auto"``)
 SMALL_JOB_S = 0.1
-#: ``tune="auto"`` probes only when the job is at least this many times the probing
-PROBE_SHARE = 10
 #: routes the cost model expects at most this many times slower than its best are timed
 SHORTLIST = 4.0
+#: the samples each route is timed on: this share of the batch (at least one sample)
+PROBE_SHARE = 1 / 32
 
 
 class _EngineRun:
@@ -239,6 +239,8 @@ class _EngineRun:
         self.notes: list[str] = []
         self.key = plan_key(fn, packed, options)
         self.cached = PLAN_CACHE.get(fn.model, self.key)
+        #: the shortlisted routes, timed on the first samples of the run (:meth:`try_routes`)
+        self.trial: list[tuple[tuple[Strategy, Mode], VectorPlan]] | None = None
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
@@ -296,59 +298,88 @@ class _EngineRun:
         return True
 
     def tune(self, ran: Strategy, plan: VectorPlan) -> tuple[Strategy, VectorPlan]:
-        """Time the routes ``auto`` chose between (strategy and mode, those the cost model does
-        not rule out by more than :data:`SHORTLIST`x) on a probe of the real data, and keep
-        the fastest; only where the probe costs under a tenth of the job (``tune="auto"``) or
-        always (``"measure"``)."""
-        o, n = self.options, len(self.packed)
+        """Shortlist the routes ``auto`` chooses between (strategy and mode, those the cost
+        model does not rule out by more than :data:`SHORTLIST`x) to be timed on the run
+        itself (:meth:`try_routes`): under ``tune="auto"`` when the largest bucket has samples
+        for each, under ``"measure"`` always."""
+        o = self.options
         strategies = [ran]
         if o.strategy is Strategy.AUTO and len(self.packed.buckets()) > 1:
             strategies = [Strategy.BUCKETED, Strategy.PADDED]
         modes = [Mode.REV, Mode.FWD] if o.mode is Mode.AUTO else [plan.mode]
         candidates = [(s, m) for s in strategies for m in modes]
-        probe = _probe_indices(self.packed)
         if o.tune is Tune.ESTIMATE or len(candidates) < 2:
             return ran, plan
-        if o.tune is Tune.AUTO and n < PROBE_SHARE * 2 * len(candidates) * len(probe):
-            return ran, plan
-        small = self.packed.select(probe)
-        plans, estimates = {}, {}
+        plans = {(ran, plan.mode): plan}  # the estimate's choice first: it also warms up
         for s, m in candidates:
-            try:
-                plans[s, m] = plan_strategy(self.fn, small, s, dataclasses.replace(o, mode=m), [])
-            except (RuntimeError, UnsupportedOpError, MemoryBudgetError):
-                continue  # a route that cannot run is no candidate
-            estimates[s, m] = plan_seconds(plans[s, m])
-        best = min(estimates.values(), default=0.0)
-        times = {}
-        for key, est in estimates.items():
-            if est <= SHORTLIST * best:
-                times[key] = self.time_probe(plans[key])
-        times = {k: v for k, v in times.items() if v is not None}
-        if not times:
-            return ran, plan
-        (s, m) = min(times, key=times.__getitem__)
-        self.notes.append(
-            f"tune: timed on {len(probe)} samples: "
-            + ", ".join(f"{k[0].value}/{k[1].value} {v * 1e3:.1f} ms" for k, v in times.items())
-            + f"; chose {s.value}/{m.value}"
-        )
-        if (s, m) == (ran, plan.mode):
-            return ran, plan
-        self.options = dataclasses.replace(o, mode=m)
-        return self.plan(s)
+            if (s, m) not in plans:
+                try:
+                    plans[s, m] = plan_strategy(
+                        self.fn, self.packed, s, dataclasses.replace(o, mode=m), []
+                    )
+                except (RuntimeError, UnsupportedOpError, MemoryBudgetError):
+                    continue  # a route that cannot run is no candidate
+        estimates = {k: plan_seconds(p) for k, p in plans.items()}
+        best = min(estimates.values())
+        trial = [(k, plans[k]) for k, est in estimates.items() if est <= SHORTLIST * best]
+        largest = max(len(b.indices) for b in self.packed.buckets())
+        if len(trial) > 1 and (
+            o.tune is Tune.MEASURE or largest >= self.probe_size() * (len(trial) + 1)
+        ):
+            self.trial = trial
+        return ran, plan
 
-    def time_probe(self, plan: VectorPlan) -> float | None:
-        """Seconds of one run of ``plan`` after a warm-up run, ``None`` if it fails."""
-        COUNTS["probe"] += 1
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                _fill(plan, self.fn, self.options.randomness, [])
+    def probe_size(self) -> int:
+        return max(1, int(len(self.packed) * PROBE_SHARE))
+
+    def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
+        """Run the first samples of the largest bucket with each shortlisted route (after a
+        warm-up with the estimate's, whose samples count too), timing each: their Jacobians
+        go into the result, so timing costs only the slower routes' extra time. Returns the
+        result buffers, the samples done and the fastest route. Where the bucket has too few
+        samples (``tune="measure"``), later routes redo samples already done."""
+        trial, self.trial = self.trial or [], None
+        plans = [p for _, p in trial]
+        ragged = any(
+            len(set(p.sizes)) > 1 or any(g.table is not None for g in p.groups) for p in plans
+        )
+        shape = (len(plans[0].sizes), max(plans[0].sizes), self.fn.subset.numel)
+        values = self.fn.values()
+        into = (
+            values[0].new_zeros(shape) if ragged else values[0].new_empty(shape),
+            values[0].new_zeros(shape[:2]),
+        )
+        bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
+        pool, k = list(bucket.indices), self.probe_size()
+        times: dict[tuple[Strategy, Mode], float] = {}
+        done: set[int] = set()
+        for (key, plan), timed in [(trial[0], False), *((t, True) for t in trial)]:
+            idx = pool[:k] or list(bucket.indices[:k])
+            pool = pool[len(idx) :] if pool else pool
+            COUNTS["probe"] += timed
+            try:
                 start = time.perf_counter()
-                _fill(plan, self.fn, self.options.randomness, [])
-                return time.perf_counter() - start
-        except (RuntimeError, NotImplementedError):
-            return None
+                with torch.no_grad():
+                    _fill(plan, self.fn, self.options.randomness, [], into=into, only=set(idx))
+                if plan.device.type == "cuda":
+                    torch.cuda.synchronize(plan.device)
+                elapsed = time.perf_counter() - start
+            except (RuntimeError, NotImplementedError) as err:
+                self.notes.append(f"tune: {key[0].value}/{key[1].value} failed ({first_line(err)})")
+                continue
+            if timed:
+                times[key] = elapsed / len(idx)
+            done.update(idx)
+        if not times:  # every route failed on the data: the run meets the error again
+            return into, set(), trial[0][0][0], trial[0][1]
+        s, m = min(times, key=times.__getitem__)
+        self.notes.append(
+            f"tune: timed on {k} sample(s) each of the run: "
+            + ", ".join(f"{a.value}/{b.value} {v * 1e3:.1f} ms" for (a, b), v in times.items())
+            + f" per sample; chose {s.value}/{m.value}"
+        )
+        self.options = dataclasses.replace(self.options, mode=m)
+        return into, done, s, dict(trial)[s, m]
 
     def plan(self, ran: Strategy) -> tuple[Strategy, VectorPlan | None]:
         """Plan ``ran``; a padded strategy that cannot run falls back to ``bucketed``.
@@ -396,6 +427,10 @@ class _EngineRun:
             self.notes = [*self.cached.notes, "plan: cached (the same shapes ran before)"]
         else:
             ran, plan = self.first()
+        into: tuple[Tensor, Tensor] | None = None
+        done: set[int] = set()
+        if self.trial:
+            into, done, ran, plan = self.try_routes()
         while ran is not Strategy.LOOP:
             if plan is None or plan.strategy is not ran:
                 ran, plan = self.plan(ran)
@@ -404,10 +439,11 @@ class _EngineRun:
             try:
                 with torch.no_grad():
                     jac, outputs, structured = _fill(
-                        plan, self.fn, self.options.randomness, self.notes
+                        plan, self.fn, self.options.randomness, self.notes, into=into, skip=done
                     )
             except (RuntimeError, NotImplementedError) as err:
                 ran, plan = self.failed(err, ran, plan), None
+                into, done = None, set()  # the next route fills everything
                 continue
             chunks = [c for g in plan.groups for c in g.chunks]
             inner = [c.inner for c in chunks if c.inner is not None]
@@ -448,30 +484,38 @@ class _EngineRun:
         )
 
 
-def _probe_indices(packed: PackedBatch) -> list[int]:
-    """The samples routes are timed on: the largest and up to three spread over the batch."""
-    n = len(packed)
-    spread = {round(k * (n - 1) / 3) for k in range(4)} if n > 1 else {0}
-    return sorted(spread | {packed.largest_sample})[:4]
-
-
 def _fill(
-    plan: VectorPlan, fn: PerSampleFunction, randomness: Randomness, notes: list[str]
+    plan: VectorPlan,
+    fn: PerSampleFunction,
+    randomness: Randomness,
+    notes: list[str],
+    *,
+    into: tuple[Tensor, Tensor] | None = None,
+    only: set[int] | None = None,
+    skip: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> tuple[Tensor, Tensor, tuple[str, ...]]:
-    """Fill the ``(N, O, P)`` result and the ``(N, O)`` outputs group by group, chunk by chunk;
-    also returns the tensors that ran structured (a structured pass that meets an op it cannot
-    run exactly is redone generically, with a note)."""
+    """Fill the ``(N, O, P)`` result and the ``(N, O)`` outputs (new, or ``into``) group by
+    group, chunk by chunk, for the samples in ``only`` (default: all) not in ``skip``; also
+    returns the tensors that ran structured (a structured pass that meets an op it cannot run
+    exactly is redone generically, with a note)."""
     subset, values = fn.subset, fn.values()
     structured = list(plan.structured) if plan.mode is Mode.FWD else []
-    shape = (len(plan.sizes), max(plan.sizes), subset.numel)
-    # every entry is written unless output rows are padded
-    ragged = len(set(plan.sizes)) > 1 or any(g.table is not None for g in plan.groups)
-    jac = values[0].new_zeros(shape) if ragged else values[0].new_empty(shape)
-    outputs = values[0].new_zeros(shape[:2])
+    if into is None:
+        shape = (len(plan.sizes), max(plan.sizes), subset.numel)
+        # every entry is written unless output rows are padded
+        ragged = len(set(plan.sizes)) > 1 or any(g.table is not None for g in plan.groups)
+        into = (
+            values[0].new_zeros(shape) if ragged else values[0].new_empty(shape),
+            values[0].new_zeros(shape[:2]),
+        )
+    jac, outputs = into
     rows = outputs.unsqueeze(-1)  # written like one column of the Jacobian
     for g in plan.groups:
+        indices = [i for i in g.indices if (only is None or i in only) and i not in skip]
+        if not indices:
+            continue
         if plan.mode is Mode.REV:
-            for idx in _sample_chunks(g.indices, g.chunks[0].samples):
+            for idx in _sample_chunks(indices, g.chunks[0].samples):
                 blocks, out = _rev_block(g.fn, values, g.levels(idx), g.chunks[0].inner, randomness)
                 _write(rows, idx, out.unsqueeze(-1), 0, 1, g.table)
                 for name, blk in zip(subset.names, blocks):
@@ -480,7 +524,7 @@ def _fill(
             continue
         for span, chunks in zip(plan.spans, g.chunks):
             name = span_tensor(subset, span)
-            for idx in _sample_chunks(g.indices, chunks.samples):
+            for idx in _sample_chunks(indices, chunks.samples):
                 levels = g.levels(idx)
                 blk = None
                 if name in structured:

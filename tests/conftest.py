@@ -85,10 +85,13 @@ def smallest_budget(call) -> int:
 
 @pytest.fixture(autouse=True)
 def _deterministic_routes(monkeypatch):
-    """Route choices in tests follow the cost model alone: the timed small-job rule is off (its
-    own tests switch it on), so that a test's expected route does not depend on machine load;
+    """Route choices in tests follow the cost model alone: the timed small-job rule and the
+    engine's route timing are off (their own tests switch them on), so that a test's expected route does not depend on machine load;
     every test starts with an empty plan cache."""
     import multiscale_jac.engine
 
     multiscale_jac.engine.clear_plan_cache()
     monkeypatch.setattr(multiscale_jac.engine, "SMALL_JOB_S", 0.0)
+    # tune="auto" times routes only on batches of at least 3 / PROBE_SHARE samples (none here);
+    # tune="measure" still does
+    monkeypatch.setattr(multiscale_jac.engine, "PROBE_SHARE", 1.0)
