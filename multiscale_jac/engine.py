@@ -225,8 +225,8 @@ def run_engine(
 SMALL_JOB_S = 0.1
 #: routes the cost model expects at most this many times slower than its best are timed
 SHORTLIST = 4.0
-#: the samples each route is timed on: this share of the batch (at least one sample)
-PROBE_SHARE = 1 / 32
+#: ``tune="auto"`` times routes only when the largest shape bucket has this many samples
+MIN_PROBE_BATCH = 8
 
 
 class _EngineRun:
@@ -321,16 +321,17 @@ class _EngineRun:
                     continue  # a route that cannot run is no candidate
         estimates = {k: plan_seconds(p) for k, p in plans.items()}
         best = min(estimates.values())
-        trial = [(k, plans[k]) for k, est in estimates.items() if est <= SHORTLIST * best]
+        # the estimate's choice stays (the mode rule and the plans' estimates can disagree)
+        first = (ran, plan.mode)
+        trial = [
+            (k, plans[k]) for k, est in estimates.items() if est <= SHORTLIST * best or k == first
+        ]
         largest = max(len(b.indices) for b in self.packed.buckets())
         if len(trial) > 1 and (
-            o.tune is Tune.MEASURE or largest >= self.probe_size() * (len(trial) + 1)
+            o.tune is Tune.MEASURE or largest >= max(MIN_PROBE_BATCH, len(trial) + 1)
         ):
             self.trial = trial
         return ran, plan
-
-    def probe_size(self) -> int:
-        return max(1, int(len(self.packed) * PROBE_SHARE))
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
         """Run the first samples of the largest bucket with each shortlisted route (after a
@@ -350,10 +351,15 @@ class _EngineRun:
             values[0].new_zeros(shape[:2]),
         )
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
-        pool, k = list(bucket.indices), self.probe_size()
+        pool = list(bucket.indices)
+        share = max(1, len(pool) // (len(trial) + 1))
         times: dict[tuple[Strategy, Mode], float] = {}
         done: set[int] = set()
         for (key, plan), timed in [(trial[0], False), *((t, True) for t in trial)]:
+            # one vectorised call of the route (its samples per call), up to a share of the
+            # bucket: per-sample times of one sample misjudge routes that vectorise better
+            (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
+            k = min(share, max(c.samples for c in group.chunks))
             idx = pool[:k] or list(bucket.indices[:k])
             pool = pool[len(idx) :] if pool else pool
             COUNTS["probe"] += timed
@@ -374,7 +380,7 @@ class _EngineRun:
             return into, set(), trial[0][0][0], trial[0][1]
         s, m = min(times, key=times.__getitem__)
         self.notes.append(
-            f"tune: timed on {k} sample(s) each of the run: "
+            "tune: timed on the run's first samples (one vectorised call each): "
             + ", ".join(f"{a.value}/{b.value} {v * 1e3:.1f} ms" for (a, b), v in times.items())
             + f" per sample; chose {s.value}/{m.value}"
         )

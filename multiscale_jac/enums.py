@@ -89,9 +89,10 @@ class Entries(_StrEnum):
 
 class Tune(_StrEnum):
     """How ``auto`` picks a route: ``estimate`` (the cost model alone), ``measure`` (time the
-    cost model's shortlist on a probe of the real data, always) or ``auto`` (measure when the
-    probe costs under a tenth of the job; a job whose loop would take under 0.1 s runs the
-    cheapest plan without surveying)."""
+    cost model's shortlist on the first samples of the run, always) or ``auto`` (time it when
+    the largest shape bucket has samples for every route; a job whose loop would take under
+    0.1 s runs the cheapest plan without surveying). Timed samples stay in the result; the
+    choice is cached per shapes (docs/design.md, "How auto chooses")."""
 
     AUTO = "auto"
     MEASURE = "measure"
@@ -181,9 +182,9 @@ class FisherMethod(_StrEnum):
 class JacNormMethod(_StrEnum):
     """How ``S`` and its gradient are computed.
 
-    * ``auto``: the fastest of the routes below that can run, timed on a probe of the data
-      when that costs under a tenth of the job (``tune``), else ``layerwise`` where every
-      selected tensor has a per-layer closed form, else ``vmap``; the choice is cached.
+    * ``auto``: the fastest of the routes below that can run (``vmap`` also at half its
+      chunk), each timed on one chunk of the job itself when the largest shape bucket has
+      samples for all (``tune``), else ``vmap``; the choice is cached per shapes.
     * ``layerwise``: one batched forward per chunk, one data-only backward per output row (or
       probe) with ``create_graph``, per-sample layer gradients squared in closed form
       (:mod:`~multiscale_jac.layerwise`), then one backward of the chunk's ``S``.

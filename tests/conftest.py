@@ -92,6 +92,5 @@ def _deterministic_routes(monkeypatch):
 
     multiscale_jac.engine.clear_plan_cache()
     monkeypatch.setattr(multiscale_jac.engine, "SMALL_JOB_S", 0.0)
-    # tune="auto" times routes only on batches of at least 3 / PROBE_SHARE samples (none here);
-    # tune="measure" still does
-    monkeypatch.setattr(multiscale_jac.engine, "PROBE_SHARE", 1.0)
+    # tune="auto" times routes only on buckets of MIN_PROBE_BATCH samples; "measure" always
+    monkeypatch.setattr(multiscale_jac.engine, "MIN_PROBE_BATCH", 10**9)

@@ -176,7 +176,7 @@ def test_auto_times_routes_on_the_run_itself(monkeypatch, case_id: str) -> None:
     cached and the second call times nothing."""
     from multiscale_jac import engine
 
-    monkeypatch.setattr(engine, "PROBE_SHARE", 1 / 32)
+    monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 3)
     case = CASE_BY_ID[case_id]
     model = case.build()
     kwargs = dict(params=case.glob, output_fn=case.output_fn)
@@ -184,7 +184,7 @@ def test_auto_times_routes_on_the_run_itself(monkeypatch, case_id: str) -> None:
     if case.ragged:  # samples enough in the largest bucket to time every route on one each
         inputs = lambda: case.inputs() * 4  # noqa: E731
     res = mj.per_sample_jacobian(model, inputs(), **kwargs)
-    tuned = [n for n in res.notes if n.startswith("tune: timed on 1 sample(s) each of the run")]
+    tuned = [n for n in res.notes if n.startswith("tune: timed on the run's first samples")]
     assert tuned and "; chose " in tuned[0], res.notes
     assert mj.plan_cache_info().probed >= 2
     ref = mj.reference.per_sample_jacobian_loop(model, inputs(), **kwargs)
