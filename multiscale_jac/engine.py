@@ -225,8 +225,11 @@ def run_engine(
 SMALL_JOB_S = 0.1
 #: routes the cost model expects at most this many times slower than its best are timed
 SHORTLIST = 4.0
-#: ``tune="auto"`` times routes only when the largest shape bucket has this many samples
+#: ``tune="auto"`` times routes only on batches of this many samples
 MIN_PROBE_BATCH = 8
+#: each route is timed on one vectorised call of at least this many samples (where it has
+#: them): single samples misjudge the routes that vectorise over samples better
+MIN_PROBE_SAMPLES = 8
 
 
 class _EngineRun:
@@ -298,48 +301,51 @@ class _EngineRun:
         return True
 
     def tune(self, ran: Strategy, plan: VectorPlan) -> tuple[Strategy, VectorPlan]:
-        """Shortlist the routes ``auto`` chooses between (strategy and mode, those the cost
-        model does not rule out by more than :data:`SHORTLIST`x) to be timed on the run
-        itself (:meth:`try_routes`): under ``tune="auto"`` when the largest bucket has samples
-        for each, under ``"measure"`` always."""
+        """Shortlist the routes ``auto`` chooses between (strategy x mode x entries: those the
+        cost model does not rule out by more than :data:`SHORTLIST`x, and always its own
+        choice and the same route with generic entries) to be timed on the run itself
+        (:meth:`try_routes`): under ``tune="auto"`` on batches of :data:`MIN_PROBE_BATCH`
+        samples, under ``"measure"`` always."""
         o = self.options
         strategies = [ran]
         if o.strategy is Strategy.AUTO and len(self.packed.buckets()) > 1:
             strategies = [Strategy.BUCKETED, Strategy.PADDED]
         modes = [Mode.REV, Mode.FWD] if o.mode is Mode.AUTO else [plan.mode]
-        candidates = [(s, m) for s in strategies for m in modes]
+        entries = [o.entries]
+        if o.entries is Entries.AUTO and plan.structured:
+            entries.append(Entries.GENERIC)  # the structured passes' cost is a guess too
+        candidates = [(s, m, e) for s in strategies for m in modes for e in entries]
         if o.tune is Tune.ESTIMATE or len(candidates) < 2:
             return ran, plan
-        plans = {(ran, plan.mode): plan}  # the estimate's choice first: it also warms up
-        for s, m in candidates:
-            if (s, m) not in plans:
+        first = (ran, plan.mode, o.entries)  # the estimate's choice: it also warms up
+        plans = {first: plan}
+        for s, m, e in candidates:
+            if (s, m, e) not in plans:
                 try:
-                    plans[s, m] = plan_strategy(
-                        self.fn, self.packed, s, dataclasses.replace(o, mode=m), []
-                    )
+                    route = dataclasses.replace(o, mode=m, entries=e)
+                    plans[s, m, e] = plan_strategy(self.fn, self.packed, s, route, [])
                 except (RuntimeError, UnsupportedOpError, MemoryBudgetError):
                     continue  # a route that cannot run is no candidate
         estimates = {k: plan_seconds(p) for k, p in plans.items()}
         best = min(estimates.values())
-        # the estimate's choice stays (the mode rule and the plans' estimates can disagree)
-        first = (ran, plan.mode)
-        trial = [
-            (k, plans[k]) for k, est in estimates.items() if est <= SHORTLIST * best or k == first
-        ]
+        keep = {first, (ran, plan.mode, Entries.GENERIC)}
+        trial = [(k, p) for k, p in plans.items() if estimates[k] <= SHORTLIST * best or k in keep]
         largest = max(len(b.indices) for b in self.packed.buckets())
         if len(trial) > 1 and (
-            o.tune is Tune.MEASURE or largest >= max(MIN_PROBE_BATCH, len(trial) + 1)
+            o.tune is Tune.MEASURE or (len(self.packed) >= MIN_PROBE_BATCH and largest >= 2)
         ):
             self.trial = trial
         return ran, plan
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
-        """Run the first samples of the largest bucket with each shortlisted route (after a
-        warm-up with the estimate's, whose samples count too), timing each: their Jacobians
-        go into the result, so timing costs only the slower routes' extra time. Returns the
-        result buffers, the samples done and the fastest route. Where the bucket has too few
-        samples (``tune="measure"``), later routes redo samples already done."""
-        trial, self.trial = self.trial or [], None
+        """Run the first samples of the largest bucket with each shortlisted route: a
+        one-sample warm-up (a route's first call pays one-time costs), then one vectorised
+        call on an equal share of the bucket, at least :data:`MIN_PROBE_SAMPLES` (or the whole
+        bucket), timed. Their Jacobians go into the result, so timing costs only the slower
+        routes' extra time. Where the bucket is too small for every route to get new samples,
+        later routes redo samples already done (their results are the same). Returns the
+        result buffers, the samples done and the fastest route."""
+        trial, self.trial = self.trial or [], None  # ((strategy, mode, entries), plan)
         plans = [p for _, p in trial]
         ragged = any(
             len(set(p.sizes)) > 1 or any(g.table is not None for g in p.groups) for p in plans
@@ -352,16 +358,16 @@ class _EngineRun:
         )
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
         pool = list(bucket.indices)
-        share = max(1, len(pool) // (len(trial) + 1))
-        times: dict[tuple[Strategy, Mode], float] = {}
+        share = max(len(pool) // len(trial) - 1, min(len(pool), MIN_PROBE_SAMPLES))
+        times: dict[tuple[Strategy, Mode, Entries], float] = {}
         done: set[int] = set()
-        for (key, plan), timed in [(trial[0], False), *((t, True) for t in trial)]:
+        for (key, plan), timed in [(t, w) for t in trial for w in (False, True)]:
             # one vectorised call of the route (its samples per call), up to a share of the
             # bucket: per-sample times of one sample misjudge routes that vectorise better
             (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
-            k = min(share, max(c.samples for c in group.chunks))
-            idx = pool[:k] or list(bucket.indices[:k])
-            pool = pool[len(idx) :] if pool else pool
+            k = 1 if not timed else min(share, max(c.samples for c in group.chunks))
+            idx = pool[:k] if len(pool) >= k else list(bucket.indices[-k:])
+            pool = pool[len(idx) :] if len(pool) >= k else pool
             COUNTS["probe"] += timed
             try:
                 start = time.perf_counter()
@@ -371,21 +377,25 @@ class _EngineRun:
                     torch.cuda.synchronize(plan.device)
                 elapsed = time.perf_counter() - start
             except (RuntimeError, NotImplementedError) as err:
-                self.notes.append(f"tune: {key[0].value}/{key[1].value} failed ({first_line(err)})")
+                self.notes.append(f"tune: {_route(key)} failed ({first_line(err)})")
+                times.pop(key, None)
                 continue
-            if timed:
+            if timed and key in times:  # its warm-up ran
                 times[key] = elapsed / len(idx)
+            elif not timed:
+                times[key] = float("inf")
             done.update(idx)
+        times = {k: v for k, v in times.items() if v < float("inf")}
         if not times:  # every route failed on the data: the run meets the error again
             return into, set(), trial[0][0][0], trial[0][1]
-        s, m = min(times, key=times.__getitem__)
+        best = min(times, key=times.__getitem__)
         self.notes.append(
             "tune: timed on the run's first samples (one vectorised call each): "
-            + ", ".join(f"{a.value}/{b.value} {v * 1e3:.1f} ms" for (a, b), v in times.items())
-            + f" per sample; chose {s.value}/{m.value}"
+            + ", ".join(f"{_route(k)} {v * 1e3:.1f} ms" for k, v in times.items())
+            + f" per sample; chose {_route(best)}"
         )
-        self.options = dataclasses.replace(self.options, mode=m)
-        return into, done, s, dict(trial)[s, m]
+        self.options = dataclasses.replace(self.options, mode=best[1], entries=best[2])
+        return into, done, best[0], dict(trial)[best]
 
     def plan(self, ran: Strategy) -> tuple[Strategy, VectorPlan | None]:
         """Plan ``ran``; a padded strategy that cannot run falls back to ``bucketed``.
@@ -488,6 +498,12 @@ class _EngineRun:
             outputs=outputs,
             **extra,
         )
+
+
+def _route(key: tuple[Strategy, Mode, Entries]) -> str:
+    """``strategy/mode`` and the entries where they are not the cost model's (``auto``)."""
+    s, m, e = key
+    return f"{s.value}/{m.value}" + ("" if e is Entries.AUTO else f"/{e.value}")
 
 
 def _fill(

@@ -167,8 +167,10 @@ class FisherMethod(_StrEnum):
     """How per-sample terms are formed.
 
     * ``auto``: ``layerwise`` for the tensors with a per-layer closed form, ``vmap`` for the
-      rest; a failure of the layer-wise run (a model that mixes samples in a batch, a parameter
-      read outside its layer) falls back to ``vmap`` with a :class:`FallbackWarning`.
+      rest, unless ``vmap`` for all is faster: on a first batch of at least 16 samples both
+      are timed on chunks of it (their sums count) and the choice is cached per shapes; a
+      failure of the layer-wise run (a model that mixes samples in a batch, a parameter read
+      outside its layer) falls back to ``vmap`` with a :class:`FallbackWarning`.
     * ``layerwise``: every selected tensor by its closed form (:mod:`~multiscale_jac.layerwise`);
       raises if one has none.
     * ``vmap``: ``torch.func.vmap(grad)`` per shape bucket (``exact``: per-sample Jacobians).

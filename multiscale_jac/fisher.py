@@ -22,6 +22,7 @@ an unbiased estimate over the masks).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ from ._likelihood import (
     labels_from_noise,
     nll_sum,
 )
-from ._planning import EngineOptions, measure
+from ._planning import COUNTS, PLAN_CACHE, EngineOptions, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from .adapter import PerSampleFunction
 from .engine import run_engine
@@ -81,6 +82,8 @@ __all__ = ["DiagFisherResult", "diag_fisher"]
 #: samples per vectorised call of the ``vmap`` route when neither ``chunk_size`` nor
 #: ``memory_budget`` says otherwise
 _VMAP_CHUNK = 32
+#: ``method="auto"`` times layer-wise against ``vmap`` on batches of this many samples
+MIN_TUNE_SAMPLES = 16
 #: the smallest per-layer temporaries a layer-wise run works with
 _MIN_TEMP_BYTES = 2**16
 
@@ -240,6 +243,7 @@ class _FisherRun:
         self.shapes: dict[Any, torch.Size] = {}  # output shape per shape signature
         self.totals: dict[str, Tensor] = {}
         self.count = 0
+        self.tuned = False
 
     # ------------------------------------------------------------------ per batch
     def add(self, packed: PackedBatch, targets: Any) -> None:
@@ -247,6 +251,69 @@ class _FisherRun:
         fn = self.prep.function(packed, output_fn=Capture(self.prep.output_fn, "diag_fisher"))
         per_sample = self._check_targets(fn, packed, per_sample)
         self.chunks = self._chunk_sizes(fn, packed)
+        rest = self._tune(fn, packed, per_sample)
+        if rest is None:
+            self._add_terms(fn, packed, per_sample)
+        elif rest:  # the first samples ran, timed; the rest with the faster method
+            sub = packed.select(rest)
+            sub_fn = self.prep.function(sub, output_fn=fn.output_fn)
+            self._add_terms(sub_fn, sub, [per_sample[i] for i in rest])
+
+    def _tune(
+        self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]
+    ) -> list[int] | None:
+        """``method="auto"`` with a layer-wise plan, on the first batch: the cached choice for
+        these shapes, else layer-wise and ``vmap`` each run a warm-up chunk and a timed chunk
+        of the batch's largest bucket (their sums count), and the faster is cached and runs
+        the rest of the data. Returns the samples still to run (``None``: none ran)."""
+        if self.opts.method is not FisherMethod.AUTO or self.plan is None or self.tuned:
+            return None
+        self.tuned = True
+        opts = self.opts
+        key = (
+            "diag_fisher",
+            (opts.likelihood, opts.kind, opts.chunk, opts.memory_budget, opts.mc_samples),
+            plan_key(self.prep.function(packed), packed, EngineOptions()),  # the user's output_fn
+        )
+        cached = PLAN_CACHE.get(self.prep.model, key)
+        if cached is not None:
+            self.plan = self.plan if cached is FisherMethod.LAYERWISE else None
+            self.notes.append(f"cached choice: {cached.value!r} (the same shapes ran before)")
+            return None
+        bucket = max(packed.buckets(), key=lambda b: len(b.indices))
+        k = min(self.chunks[1], len(bucket.indices) // 4)
+        if len(packed) < MIN_TUNE_SAMPLES or k < 1:
+            return None
+        plan, times = self.plan, {}
+        for n, method in enumerate([FisherMethod.LAYERWISE, FisherMethod.VMAP] * 2):
+            idx = bucket.indices[n * k : (n + 1) * k]
+            sub = packed.select(idx)
+            self.plan = plan if method is FisherMethod.LAYERWISE else None
+            COUNTS["probe"] += n >= 2
+            start = time.perf_counter()
+            self._add_terms(
+                self.prep.function(sub, output_fn=fn.output_fn), sub, [targets[i] for i in idx]
+            )
+            if self.prep.device.type == "cuda":
+                torch.cuda.synchronize(self.prep.device)
+            if n >= 2:  # the first two were warm-ups
+                times[method] = (time.perf_counter() - start) / len(idx)
+            if method is FisherMethod.LAYERWISE and self.plan is None:  # it fell back
+                plan, times[method] = None, float("inf")
+        best = min(times, key=times.__getitem__)
+        self.plan = plan if best is FisherMethod.LAYERWISE else None
+        PLAN_CACHE.put(self.prep.model, key, best)
+        self.notes.append(
+            "tune: timed on the data: "
+            + ", ".join(f"{m.value} {t * 1e3:.2f} ms" for m, t in times.items())
+            + f" per sample; chose {best.value!r}"
+        )
+        done = set(bucket.indices[: 4 * k])
+        return [i for i in range(len(packed)) if i not in done]
+
+    def _add_terms(
+        self, fn: PerSampleFunction, packed: PackedBatch, per_sample: list[Tensor]
+    ) -> None:
         try:
             part = self._terms(fn, packed, per_sample)
         except NotLayerwiseError as err:

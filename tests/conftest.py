@@ -89,8 +89,10 @@ def _deterministic_routes(monkeypatch):
     engine's route timing are off (their own tests switch them on), so that a test's expected route does not depend on machine load;
     every test starts with an empty plan cache."""
     import multiscale_jac.engine
+    import multiscale_jac.fisher
 
     multiscale_jac.engine.clear_plan_cache()
     monkeypatch.setattr(multiscale_jac.engine, "SMALL_JOB_S", 0.0)
     # tune="auto" times routes only on buckets of MIN_PROBE_BATCH samples; "measure" always
     monkeypatch.setattr(multiscale_jac.engine, "MIN_PROBE_BATCH", 10**9)
+    monkeypatch.setattr(multiscale_jac.fisher, "MIN_TUNE_SAMPLES", 10**9)

@@ -194,3 +194,33 @@ def test_auto_times_routes_on_the_run_itself(monkeypatch, case_id: str) -> None:
     again = mj.per_sample_jacobian(model, inputs(), **kwargs)
     assert mj.plan_cache_info().probed == probed
     torch.testing.assert_close(again.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+
+
+def test_diag_fisher_times_layerwise_against_vmap_on_the_data(monkeypatch) -> None:
+    """``diag_fisher(method="auto")`` times its two methods on the first chunks of the data
+    (their sums count: the result equals a forced method's), caches the faster, and the second
+    call with the same shapes times nothing."""
+    from multiscale_jac import fisher
+
+    monkeypatch.setattr(fisher, "MIN_TUNE_SAMPLES", 16)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(12, 3)
+    ).to(DTYPE)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (
+            torch.randn(20, 2, 4, 4, generator=g, dtype=DTYPE),
+            torch.randint(0, 3, (20,), generator=g),
+        )
+    ]
+    ref = mj.diag_fisher(model, data, method="layerwise")
+    probed = _counts()[2]
+    res = mj.diag_fisher(model, data)
+    assert _counts()[2] == probed + 2
+    assert any(n.startswith("tune: timed on the data") for n in res.notes), res.notes
+    torch.testing.assert_close(res.flat, ref.flat, atol=1e-12, rtol=0)
+    again = mj.diag_fisher(model, data)
+    assert _counts()[2] == probed + 2
+    assert any(n.startswith("cached choice") for n in again.notes), again.notes
+    torch.testing.assert_close(again.flat, ref.flat, atol=1e-12, rtol=0)
