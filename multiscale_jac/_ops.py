@@ -373,6 +373,9 @@ def twice_differentiable() -> Any:
     return stack
 
 
+_INSTANCE_NORM = inspect.signature(F.instance_norm)
+
+
 class _NormFormulas(TorchFunctionMode):
     """``F.layer_norm`` and ``F.instance_norm`` (with input statistics) as their formulas."""
 
@@ -381,7 +384,7 @@ class _NormFormulas(TorchFunctionMode):
         if func in (F.layer_norm, torch.layer_norm):
             return _layer_norm(*args, **kwargs)
         if func in (F.instance_norm, torch.instance_norm):
-            bound = inspect.signature(F.instance_norm).bind(*args, **kwargs)
+            bound = _INSTANCE_NORM.bind(*args, **kwargs)
             bound.apply_defaults()
             if bound.arguments["use_input_stats"]:
                 a = bound.arguments

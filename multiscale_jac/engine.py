@@ -243,7 +243,7 @@ class _EngineRun:
         self.key = plan_key(fn, packed, options)
         self.cached = PLAN_CACHE.get(fn.model, self.key)
         #: the shortlisted routes, timed on the first samples of the run (:meth:`try_routes`)
-        self.trial: list[tuple[tuple[Strategy, Mode], VectorPlan]] | None = None
+        self.trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None = None
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
@@ -346,22 +346,15 @@ class _EngineRun:
         later routes redo samples already done (their results are the same). Returns the
         result buffers, the samples done and the fastest route."""
         trial, self.trial = self.trial or [], None  # ((strategy, mode, entries), plan)
-        plans = [p for _, p in trial]
-        ragged = any(
-            len(set(p.sizes)) > 1 or any(g.table is not None for g in p.groups) for p in plans
-        )
-        shape = (len(plans[0].sizes), max(plans[0].sizes), self.fn.subset.numel)
-        values = self.fn.values()
-        into = (
-            values[0].new_zeros(shape) if ragged else values[0].new_empty(shape),
-            values[0].new_zeros(shape[:2]),
-        )
+        into = _buffers([p for _, p in trial], self.fn)
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
         pool = list(bucket.indices)
         share = max(len(pool) // len(trial) - 1, min(len(pool), MIN_PROBE_SAMPLES))
         times: dict[tuple[Strategy, Mode, Entries], float] = {}
-        done: set[int] = set()
+        warmed, done = set(), set()
         for (key, plan), timed in [(t, w) for t in trial for w in (False, True)]:
+            if timed and key not in warmed:  # its warm-up failed
+                continue
             # one vectorised call of the route (its samples per call), up to a share of the
             # bucket: per-sample times of one sample misjudge routes that vectorise better
             (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
@@ -378,14 +371,12 @@ class _EngineRun:
                 elapsed = time.perf_counter() - start
             except (RuntimeError, NotImplementedError) as err:
                 self.notes.append(f"tune: {_route(key)} failed ({first_line(err)})")
-                times.pop(key, None)
                 continue
-            if timed and key in times:  # its warm-up ran
+            if timed:
                 times[key] = elapsed / len(idx)
-            elif not timed:
-                times[key] = float("inf")
+            else:
+                warmed.add(key)
             done.update(idx)
-        times = {k: v for k, v in times.items() if v < float("inf")}
         if not times:  # every route failed on the data: the run meets the error again
             return into, set(), trial[0][0][0], trial[0][1]
         best = min(times, key=times.__getitem__)
@@ -506,6 +497,17 @@ def _route(key: tuple[Strategy, Mode, Entries]) -> str:
     return f"{s.value}/{m.value}" + ("" if e is Entries.AUTO else f"/{e.value}")
 
 
+def _buffers(plans: list[VectorPlan], fn: PerSampleFunction) -> tuple[Tensor, Tensor]:
+    """The ``(N, O, P)`` result and the ``(N, O)`` outputs that ``plans`` fill (every plan of
+    one batch has the same sizes): zeros where some plan leaves rows unwritten (ragged or
+    padded outputs), else uninitialised."""
+    sizes, values = plans[0].sizes, fn.values()
+    shape = (len(sizes), max(sizes), fn.subset.numel)
+    ragged = len(set(sizes)) > 1 or any(g.table is not None for p in plans for g in p.groups)
+    jac = values[0].new_zeros(shape) if ragged else values[0].new_empty(shape)
+    return jac, values[0].new_zeros(shape[:2])
+
+
 def _fill(
     plan: VectorPlan,
     fn: PerSampleFunction,
@@ -522,15 +524,7 @@ def _fill(
     exactly is redone generically, with a note)."""
     subset, values = fn.subset, fn.values()
     structured = list(plan.structured) if plan.mode is Mode.FWD else []
-    if into is None:
-        shape = (len(plan.sizes), max(plan.sizes), subset.numel)
-        # every entry is written unless output rows are padded
-        ragged = len(set(plan.sizes)) > 1 or any(g.table is not None for g in plan.groups)
-        into = (
-            values[0].new_zeros(shape) if ragged else values[0].new_empty(shape),
-            values[0].new_zeros(shape[:2]),
-        )
-    jac, outputs = into
+    jac, outputs = _buffers([plan], fn) if into is None else into
     rows = outputs.unsqueeze(-1)  # written like one column of the Jacobian
     for g in plan.groups:
         indices = [i for i in g.indices if (only is None or i in only) and i not in skip]
