@@ -39,12 +39,17 @@ unsliced fit (``memory_budget=None``), timed in one process, interleaved (median
 report that found the fit re-running the model per slice); ``--dense-sizes 32 64 96
 --dense-classes 21 --dense-k 1000`` gives the exact-fit times ``docs/laplace.md`` extrapolates.
 
+``DiagLaplace`` (``--diag``): over every weight of bench_fisher's VGG-11-BN/4 at N=128, empirical
+Fisher and exact GGN, beside ``diag_fisher``, as ratios to a training step timed in the same
+process (before and after); ``bench_laplace_diag.json``.
+
 Usage::
 
     python benchmarks/bench_laplace.py                  # B in 8 32 128, k in 10 100 1000
     python benchmarks/bench_laplace.py --quick          # B = 8, k in 10 100 (seconds)
     python benchmarks/bench_laplace.py --sizes 32 --subsets 100 --selection random
     python benchmarks/bench_laplace.py --dense           # sliced vs unsliced dense fit
+    python benchmarks/bench_laplace.py --diag            # DiagLaplace against a training step
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ from _common import (
     fmt_seconds,
     markdown_table,
     run_worker,
+    timed_call,
+    timer_median,
     write_json,
 )
 from bench_fisher import ALL, WARM_SAMPLES, guarded, log, measure_cell, rel_diff
@@ -240,7 +247,8 @@ def prepare(wl: Workload, method: str, info: dict[str, Any]) -> Callable[[slice]
 def worker(args: argparse.Namespace) -> int:
     method, b, k = args.worker[0], int(args.worker[1]), int(args.worker[2])
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads = args.threads or 2
+    torch.set_num_threads(threads)
     wl = Workload(b, 0 if method == "train_step" else k, args.selection, args.seed)
     rec: dict[str, Any] = {"description": wl.description, "params": wl.numel}
     info: dict[str, Any] = {}
@@ -315,6 +323,54 @@ def dense_cell(size: int, classes: int, k: int, repeats: int, slices: int = 20) 
         "ratio": med["sliced"] / med["unsliced"],
         "rel_diff": float((h1 - h0).abs().max() / h0.abs().max()),
     }
+
+
+# ---------------------------------------------------------------------- DiagLaplace
+def diag_main(args: argparse.Namespace) -> int:
+    """``DiagLaplace`` over every weight (laplace-torch's ``Laplace(..., subset_of_weights="all",
+    hessian_structure="diag")``) against ``diag_fisher`` and a training step, all timed in
+    this process on bench_fisher's workload (N=128 by default)."""
+    from bench_fisher import Workload
+
+    import multiscale_jac as mj
+    from multiscale_jac.laplace import Laplace
+
+    threads = args.threads or 2
+    torch.set_num_threads(threads)
+    wl = Workload(args.diag_model, args.diag_n, seed=0)
+    data = [(wl.x, wl.y)]
+
+    def fit(hessian: str) -> Callable[[], Any]:
+        kw = dict(subset_of_weights="all", hessian_structure="diag", hessian=hessian)
+        return lambda: Laplace(wl.model, "classification", **kw).fit(data)
+
+    methods: dict[str, Callable[[], Any]] = {
+        "train_step": wl.train_step,
+        "diag_fisher": lambda: mj.diag_fisher(wl.model, data),
+        "DiagLaplace(hessian='empirical').fit": fit("empirical"),
+        "DiagLaplace(hessian='ggn').fit": fit("ggn"),
+    }
+    rows = {}
+    for name, fn in [*methods.items(), ("train_step_again", wl.train_step)]:
+        warm_s, _ = timed_call(fn, "cpu")  # warm-up (plans cached)
+        rows[name] = timer_median(fn, threads=threads, min_run_time=0.5, warm_s=warm_s)
+        log(f"{name}: {rows[name]['seconds']:.3f} s")
+    step = (rows["train_step"]["seconds"] + rows.pop("train_step_again")["seconds"]) / 2
+    for r in rows.values():
+        r["ratio_to_train_step"] = r["seconds"] / step
+    print(
+        markdown_table(
+            ["method", "seconds", "x train step"],
+            [
+                [m, fmt_seconds(r["seconds"]), f"{r['ratio_to_train_step']:.2f}"]
+                for m, r in rows.items()
+            ],
+        )
+    )
+    out = Path(args.out) if args.out else DEFAULT_OUT
+    rec = {"env": env_stamp("cpu"), "workload": wl.description, "train_step_seconds": step}
+    write_json(out / "bench_laplace_diag.json", {**rec, "methods": rows})
+    return 0
 
 
 def dense_main(args: argparse.Namespace) -> int:
@@ -520,6 +576,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dense-sizes", nargs="*", type=int, help="image sizes S (default: 48)")
     p.add_argument("--dense-classes", type=int, default=3)
     p.add_argument("--dense-k", type=int, default=100)
+    p.add_argument("--diag", action="store_true", help="the DiagLaplace row only")
+    p.add_argument("--diag-model", default="vgg11_bn_q", help="bench_fisher's model (--diag)")
+    p.add_argument("--diag-n", type=int, default=128, help="samples (--diag)")
     p.add_argument("--worker", nargs=3, metavar=("METHOD", "B", "K"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -530,4 +589,6 @@ if __name__ == "__main__":
         sys.exit(guarded(worker, args))
     if args.dense:
         sys.exit(dense_main(args))
+    if args.diag:
+        sys.exit(diag_main(args))
     sys.exit(main(args))
