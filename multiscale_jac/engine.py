@@ -46,6 +46,7 @@ from ._planning import (
     plan_strategy,
     replay,
     span_tensor,
+    stopwatch,
 )
 from .adapter import PerSampleFunction
 from .entries import NotStructuredError, entry_call
@@ -338,10 +339,10 @@ class _EngineRun:
         return ran, plan
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
-        """Run the first samples of the largest bucket with each shortlisted route: a
-        one-sample warm-up (a route's first call pays one-time costs), then one vectorised
-        call on an equal share of the bucket, at least :data:`MIN_PROBE_SAMPLES` (or the whole
-        bucket), timed. Their Jacobians go into the result, so timing costs only the slower
+        """Run the first samples of the largest bucket with each shortlisted route: one
+        vectorised call on an equal share of the bucket, at least :data:`MIN_PROBE_SAMPLES`
+        (or the whole bucket), as a warm-up (a route's first call of a shape pays one-time
+        costs), then another such call, timed (:func:`stopwatch`). Their Jacobians go into the result, so timing costs only the slower
         routes' extra time. Where the bucket is too small for every route to get new samples,
         later routes redo samples already done (their results are the same). Returns the
         result buffers, the samples done and the fastest route."""
@@ -356,24 +357,21 @@ class _EngineRun:
             if timed and key not in warmed:  # its warm-up failed
                 continue
             # one vectorised call of the route (its samples per call), up to a share of the
-            # bucket: per-sample times of one sample misjudge routes that vectorise better
+            # bucket: per-sample times of one sample misjudge routes that vectorise better;
+            # the warm-up call has the same size (one-time costs can be per call shape)
             (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
-            k = 1 if not timed else min(share, max(c.samples for c in group.chunks))
+            k = min(share, max(c.samples for c in group.chunks))
             idx = pool[:k] if len(pool) >= k else list(bucket.indices[-k:])
             pool = pool[len(idx) :] if len(pool) >= k else pool
             COUNTS["probe"] += timed
             try:
-                start = time.perf_counter()
-                with torch.no_grad():
+                with stopwatch([plan.device]) as elapsed, torch.no_grad():
                     _fill(plan, self.fn, self.options.randomness, [], into=into, only=set(idx))
-                if plan.device.type == "cuda":
-                    torch.cuda.synchronize(plan.device)
-                elapsed = time.perf_counter() - start
             except (RuntimeError, NotImplementedError) as err:
                 self.notes.append(f"tune: {_route(key)} failed ({first_line(err)})")
                 continue
             if timed:
-                times[key] = elapsed / len(idx)
+                times[key] = elapsed[0] / len(idx)
             else:
                 warmed.add(key)
             done.update(idx)

@@ -22,7 +22,6 @@ an unbiased estimate over the masks).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +50,7 @@ from ._likelihood import (
     labels_from_noise,
     nll_sum,
 )
-from ._planning import COUNTS, PLAN_CACHE, EngineOptions, measure, plan_key
+from ._planning import COUNTS, PLAN_CACHE, EngineOptions, measure, plan_key, stopwatch
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from .adapter import PerSampleFunction
 from .engine import run_engine
@@ -290,14 +289,12 @@ class _FisherRun:
             sub = packed.select(idx)
             self.plan = plan if method is FisherMethod.LAYERWISE else None
             COUNTS["probe"] += n >= 2
-            start = time.perf_counter()
-            self._add_terms(
-                self.prep.function(sub, output_fn=fn.output_fn), sub, [targets[i] for i in idx]
-            )
-            if self.prep.device.type == "cuda":
-                torch.cuda.synchronize(self.prep.device)
+            with stopwatch([self.prep.device]) as elapsed:
+                self._add_terms(
+                    self.prep.function(sub, output_fn=fn.output_fn), sub, [targets[i] for i in idx]
+                )
             if n >= 2:  # the first two were warm-ups
-                times[method] = (time.perf_counter() - start) / len(idx)
+                times[method] = elapsed[0] / len(idx)
             if method is FisherMethod.LAYERWISE and self.plan is None:  # it fell back
                 plan, times[method] = None, float("inf")
         best = min(times, key=times.__getitem__)

@@ -20,7 +20,6 @@ gradient (a custom autograd function: nothing of the forward is kept but the inp
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +39,15 @@ from ._checks import (
 )
 from ._distributed import Reducer
 from ._ops import twice_differentiable
-from ._planning import COUNTS, PLAN_CACHE, EngineOptions, measure, plan_key, subset_key
+from ._planning import (
+    COUNTS,
+    PLAN_CACHE,
+    EngineOptions,
+    measure,
+    plan_key,
+    stopwatch,
+    subset_key,
+)
 from ._stream import with_progress
 from .enums import (
     BatchNormPolicy,
@@ -525,16 +532,13 @@ class _Job:
             idx = pool[:chunk] if counted else list(bucket.indices[:chunk])
             COUNTS["probe"] += timed
             try:
-                start = time.perf_counter()
-                part = self._route(method)(True, [(bucket.indices[0], idx)])
-                for device in self.devices:
-                    torch.cuda.synchronize(device)
-                elapsed = time.perf_counter() - start
+                with stopwatch(self.devices) as elapsed:
+                    part = self._route(method)(True, [(bucket.indices[0], idx)])
             except (RuntimeError, NotLayerwiseError) as err:  # not a candidate after all
                 self.notes.append(f"tune: {method.value} failed on the data ({err})")
                 continue
             if timed:
-                times[(method, chunk)] = elapsed / len(idx)
+                times[(method, chunk)] = elapsed[0] / len(idx)
             if counted:
                 self._add(total, part)
                 pool = pool[len(idx) :]

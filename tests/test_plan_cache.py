@@ -132,6 +132,41 @@ def test_tune_measure_times_the_shortlist() -> None:
     torch.testing.assert_close(again.jacobian, res.jacobian, atol=1e-12, rtol=0)
 
 
+def test_route_timing_pauses_the_garbage_collector_and_restores_it(monkeypatch) -> None:
+    """A collection inside one timed call once made the faster route look 10x slower."""
+    from multiscale_jac import _planning
+
+    seen: list[bool] = []
+    with _planning.stopwatch() as elapsed:
+        seen.append(gc.isenabled())
+    assert seen == [False] and gc.isenabled() and elapsed[0] >= 0
+    gc.disable()  # a caller's own choice is kept
+    try:
+        with _planning.stopwatch():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(KeyError), _planning.stopwatch():  # restored on errors too
+        raise KeyError("x")
+    assert gc.isenabled()
+    # every timed route call of a tuned run ran with the collector paused
+    calls: list[bool] = []
+    real = mj.engine._fill
+
+    def spy(*args, **kwargs):
+        if kwargs.get("only") is not None:
+            calls.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mj.engine, "_fill", spy)
+    case = CASE_BY_ID["fpn_scale_ragged"]
+    mj.per_sample_jacobian(
+        case.build(), case.inputs(), params="head.*", output_fn=case.output_fn, tune="measure"
+    )
+    assert calls and not any(calls)
+
+
 @pytest.mark.parametrize("tune", ["auto", "measure"])
 def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
     """``jacobian_sq_norm(method="auto")`` times its routes on the first chunks of the job
