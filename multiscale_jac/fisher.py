@@ -44,7 +44,8 @@ from ._checks import (
 )
 from ._distributed import Reducer
 from ._likelihood import (
-    check_target,
+    TALLY,
+    check_targets,
     draw_noise,
     ggn_factors,
     labels_from_noise,
@@ -243,11 +244,17 @@ class _FisherRun:
         self.totals: dict[str, Tensor] = {}
         self.count = 0
         self.tuned = False
+        self.key: Any = None  # the plan-cache key of the first batch (method="auto")
 
     # ------------------------------------------------------------------ per batch
     def add(self, packed: PackedBatch, targets: Any) -> None:
-        per_sample = [t.to(self.prep.device) for t in split_targets(targets, len(packed))]
+        device = self.prep.device
+        per_sample = [t.to(device) for t in split_targets(targets, len(packed))]
+        tally = TALLY.get()
+        if tally is not None:
+            tally.expected += len(packed)
         fn = self.prep.function(packed, output_fn=Capture(self.prep.output_fn, "diag_fisher"))
+        self._recall(packed)
         per_sample = self._check_targets(fn, packed, per_sample)
         self.chunks = self._chunk_sizes(fn, packed)
         rest = self._tune(fn, packed, per_sample)
@@ -257,6 +264,28 @@ class _FisherRun:
             sub = packed.select(rest)
             sub_fn = self.prep.function(sub, output_fn=fn.output_fn)
             self._add_terms(sub_fn, sub, [per_sample[i] for i in rest])
+
+    def _recall(self, packed: PackedBatch) -> None:
+        """``method="auto"`` with a layer-wise plan, on the first batch: the choice cached for
+        these shapes (model structure, inputs, options), with the output shapes and the
+        separability check found then, so no forward pass is redone for them."""
+        if self.opts.method is not FisherMethod.AUTO or self.plan is None or self.tuned:
+            return
+        opts = self.opts
+        self.key = (
+            "diag_fisher",
+            (opts.likelihood, opts.kind, opts.chunk, opts.memory_budget, opts.mc_samples),
+            plan_key(self.prep.function(packed), packed, EngineOptions()),  # the user's output_fn
+        )
+        cached = PLAN_CACHE.get(self.prep.model, self.key)
+        if cached is None:
+            return
+        method, shapes = cached
+        self.tuned = True
+        self.shapes.update(shapes)
+        self.separable_checked = method is FisherMethod.LAYERWISE  # it ran layer-wise then
+        self.plan = self.plan if method is FisherMethod.LAYERWISE else None
+        self.notes.append(f"cached choice: {method.value!r} (the same shapes ran before)")
 
     def _tune(
         self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]
@@ -268,17 +297,6 @@ class _FisherRun:
         if self.opts.method is not FisherMethod.AUTO or self.plan is None or self.tuned:
             return None
         self.tuned = True
-        opts = self.opts
-        key = (
-            "diag_fisher",
-            (opts.likelihood, opts.kind, opts.chunk, opts.memory_budget, opts.mc_samples),
-            plan_key(self.prep.function(packed), packed, EngineOptions()),  # the user's output_fn
-        )
-        cached = PLAN_CACHE.get(self.prep.model, key)
-        if cached is not None:
-            self.plan = self.plan if cached is FisherMethod.LAYERWISE else None
-            self.notes.append(f"cached choice: {cached.value!r} (the same shapes ran before)")
-            return None
         bucket = max(packed.buckets(), key=lambda b: len(b.indices))
         k = min(self.chunks[1], len(bucket.indices) // 4)
         if len(packed) < MIN_TUNE_SAMPLES or k < 1:
@@ -299,7 +317,7 @@ class _FisherRun:
                 plan, times[method] = None, float("inf")
         best = min(times, key=times.__getitem__)
         self.plan = plan if best is FisherMethod.LAYERWISE else None
-        PLAN_CACHE.put(self.prep.model, key, best)
+        PLAN_CACHE.put(self.prep.model, self.key, (best, dict(self.shapes)))
         self.notes.append(
             "tune: timed on the data: "
             + ", ".join(f"{m.value} {t * 1e3:.2f} ms" for m, t in times.items())
@@ -331,16 +349,26 @@ class _FisherRun:
         """Every target checked against its sample's output shape (one forward of one sample
         per new shape signature); returns them reshaped like the outputs' positions."""
         values = fn.values()
-        out = []
-        for i, y in enumerate(targets):
-            sig = packed.signatures[i]
-            if sig not in self.shapes:
+        out: list[Tensor] = list(targets)
+        classes = self.opts.likelihood is Likelihood.CLASSIFICATION
+        for bucket in packed.buckets():
+            i = bucket.indices[0]
+            if bucket.signature not in self.shapes:
                 with torch.no_grad():
-                    self.shapes[sig] = raw_output(fn, values, tuple(packed.sample(i))).shape[1:]
-            shape = self.shapes[sig]
-            flat = check_target(y, shape, self.opts.likelihood, self.opts.ignore, self.count + i)
-            classes = self.opts.likelihood is Likelihood.CLASSIFICATION
-            out.append(flat.view(shape[1:]) if classes else y)
+                    self.shapes[bucket.signature] = raw_output(
+                        fn, values, tuple(packed.sample(i))
+                    ).shape[1:]
+            shape = self.shapes[bucket.signature]
+            for run in _runs(bucket.indices):  # consecutive samples: named by their index
+                flats = check_targets(
+                    [targets[j] for j in run],
+                    shape,
+                    self.opts.likelihood,
+                    self.opts.ignore,
+                    self.count + run[0],
+                )
+                for j, flat in zip(run, flats):
+                    out[j] = flat.view(shape[1:]) if classes else targets[j]
         return out
 
     def _chunk_sizes(self, fn: PerSampleFunction, packed: PackedBatch) -> tuple[int | None, int]:
@@ -374,7 +402,7 @@ class _FisherRun:
         """Sums over the batch's samples, per selected tensor (selected shape)."""
         lw = self._layerwise_names()
         if self.opts.kind is FisherKind.EXACT:
-            part = self._exact_layerwise(fn, packed) if lw else None
+            part = self._exact_layerwise(fn, packed, targets) if lw else None
             if part is None:
                 return fn.subset.split(self._exact(fn, packed, targets))
             rest = tuple(n for n in fn.subset.names if n not in lw)
@@ -476,6 +504,7 @@ class _FisherRun:
     ) -> dict[str, Tensor]:
         """One batched run of a chunk: the layer-wise sums (selected entries)."""
         lv, out, run = self._batched_run(fn, levels)
+        self._tally(out, y)
         objectives = [
             (
                 nll_sum(
@@ -490,6 +519,12 @@ class _FisherRun:
             for u in noise
         ]
         return _selected(fn.subset, run.backward(objectives, lv))
+
+    def _tally(self, out: Tensor, y: Tensor) -> None:
+        """The batch's loss into the caller's :data:`~._likelihood.TALLY`, where one is set."""
+        tally = TALLY.get()
+        if tally is not None:
+            tally.add(out, y, self.opts.likelihood, self.opts.ignore)
 
     def _batched_run(
         self, fn: PerSampleFunction, levels: list[Tensor]
@@ -508,7 +543,9 @@ class _FisherRun:
         return lv, out, run
 
     # ------------------------------------------------------------------ exact
-    def _exact_layerwise(self, fn: PerSampleFunction, packed: PackedBatch) -> dict | None:
+    def _exact_layerwise(
+        self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]
+    ) -> dict | None:
         """``sum_i diag(J_i^T Lambda_i J_i)`` of the layer-wise tensors, ``Lambda = S S^T``: one
         backward pass per column of ``S`` (per class, or per regression output); ``None`` for
         dense logits (their per-position blocks do not factor over a batched pass; recorded)."""
@@ -517,13 +554,15 @@ class _FisherRun:
         for b in packed.buckets():
             step = layerwise_chunk or len(b.indices)
             for s in range(0, len(b.indices), step):
-                lv, out, run = self._batched_run(fn, packed.stack(b.indices[s : s + step]))
+                idx = b.indices[s : s + step]
+                lv, out, run = self._batched_run(fn, packed.stack(idx))
                 if self.opts.likelihood is Likelihood.CLASSIFICATION and out.dim() != 2:
                     self.exact_dense = True
                     self.notes.append(
                         "exact GGN of dense logits: per-position blocks, by per-sample Jacobians"
                     )
                     return None
+                self._tally(out, torch.stack([targets[i] for i in idx]))
                 _add(totals, _selected(fn.subset, run.backward(self._root_objectives(out), lv)))
         return totals
 
@@ -640,3 +679,14 @@ def _selected(subset: ParamSubset, sums: dict[str, Tensor]) -> dict[str, Tensor]
 def _add(totals: dict[str, Tensor], part: dict[str, Tensor]) -> None:
     for name, t in part.items():
         totals[name] = t if name not in totals else totals[name] + t
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """``indices`` cut into runs of consecutive numbers."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

@@ -55,7 +55,7 @@ from ._checks import (
     warn_fallback,
 )
 from ._distributed import Reducer
-from ._likelihood import check_target, ggn_factors, nll_sum, output_gradient
+from ._likelihood import TALLY, NllTally, check_target, ggn_factors, nll_sum, output_gradient
 from ._ops import twice_differentiable
 from ._planning import EngineOptions
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
@@ -1354,17 +1354,21 @@ class DiagLaplace(SubnetLaplace):
         reducer = Reducer(process_group)
         tap = _LossTap(train_loader, self._batch_loss, reducer)
         kind = "exact" if self.hessian is HessianKind.GGN else "empirical"
-        res = diag_fisher(
-            self.model,
-            tap,
-            params=self.subset,
-            likelihood=self.likelihood,
-            kind=kind,
-            sigma_noise=1.0,
-            progress=show,
-            process_group=process_group,
-            **self._fisher_options,
-        )
+        token = TALLY.set(tap.tally)  # the loss from the fisher's own forward passes
+        try:
+            res = diag_fisher(
+                self.model,
+                tap,
+                params=self.subset,
+                likelihood=self.likelihood,
+                kind=kind,
+                sigma_noise=1.0,
+                progress=show,
+                process_group=process_group,
+                **self._fisher_options,
+            )
+        finally:
+            TALLY.reset(token)
         h = (res.flat * res.num_samples).to(self.mean)
         loss, n_out = reducer.sum_numbers([tap.loss, float(tap.n_outputs)], h)
         if override or self.H is None:
@@ -1450,7 +1454,9 @@ class DiagLaplace(SubnetLaplace):
 
 class _LossTap:
     """``data`` passed through to :func:`~multiscale_jac.diag_fisher`; on the way, the loss of
-    the batches this rank fits (its shard, as the fisher's own sharding takes them)."""
+    the batches this rank fits (its shard, as the fisher's own sharding takes them): from the
+    fisher's batched forward passes (:class:`~._likelihood.NllTally`), or, for a batch some of
+    whose samples ran otherwise, by ``loss_fn`` (one more forward pass)."""
 
     def __init__(
         self,
@@ -1462,18 +1468,30 @@ class _LossTap:
         # the fisher reads these to see whether the user sharded the data already
         self.sampler = getattr(data, "sampler", None)
         self.batch_sampler = getattr(data, "batch_sampler", None)
-        self.loss, self.n_outputs, self.seen = 0.0, 0, 0
+        self.tally = NllTally()
+
+    @property
+    def loss(self) -> float:
+        return self.tally.loss
+
+    @property
+    def n_outputs(self) -> int:
+        return self.tally.outputs
 
     def __iter__(self) -> Iterator[Any]:
         world, rank = self.reducer.world, self.reducer.rank
         every = world == 1 or _distributed_sampler(self.data)
+        t = self.tally
         for k, batch in enumerate(self.data):
-            if every or k % world == rank:
-                loss, n_out, n = self.loss_fn(batch, self.seen)
-                self.loss += loss
-                self.n_outputs += n_out
-                self.seen += n
-            yield batch
+            if not (every or k % world == rank):
+                yield batch
+                continue
+            before = (t.loss, t.outputs, t.samples, t.expected)
+            yield batch  # the fisher runs it before it asks for the next one
+            if t.samples - before[2] != t.expected - before[3]:
+                loss, n_out, _ = self.loss_fn(batch, before[3])
+                t.loss, t.outputs = before[0] + loss, before[1] + n_out
+                t.samples = t.expected
 
 
 def _distributed_sampler(data: Any) -> bool:

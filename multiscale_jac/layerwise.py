@@ -15,15 +15,17 @@ Conv1d/2d -> ``U = unfold(a)``, ``Ck = C_in / groups * prod(kernel)`` per group.
 weight gradient is ``G_i = D_i U_i^T`` (per group), the bias gradient ``D_i.sum(-1)``.
 
 Rules, one per selected tensor (:attr:`LayerwisePlan.rules`, tabled in ``docs/derived.md``):
-``gram`` (``sum_i G_i^2`` as one matmul with inner size ``N L^2``, ``G_i`` never formed),
+``gram`` (``sum_i G_i^2`` as one matmul per kernel offset over the pairs ``l <= l'`` of
+positions whose columns are not zero padding, inner size ``N`` x pairs, ``G_i`` never formed),
 ``per_sample`` (``G_i`` formed for a chunk of samples, squared and summed; the calls' gradients
 of a layer called several times per sample are summed before squaring), ``norm_affine``
 (BatchNorm with running statistics, GroupNorm, LayerNorm: ``sum delta_i * xhat_i`` and
 ``sum delta_i`` over the non-channel dims) and ``vmap`` (no closed form: the caller computes
 these tensors with ``torch.func.vmap(grad)``).
 
-``gram`` vs ``per_sample`` is picked by a cost model in flop-equivalents: ``2 N L^2 Co Ck`` for
-``gram`` and ``2 N L Co Ck + COST_PER_ENTRY * N Co Ck`` for ``per_sample`` (forming, squaring and
+``gram`` vs ``per_sample`` is picked by a cost model in flop-equivalents: ``2 N Co Ck`` times
+the mean pairs per offset (at most ``L (L + 1) / 2``; a 3x3 convolution on a 2x2 map has 26
+pairs over its 9 offsets, not ``9 L^2 = 144``) for ``gram`` and ``2 N L Co Ck + COST_PER_ENTRY * N Co Ck`` for ``per_sample`` (forming, squaring and
 summing ``N Co Ck`` entries is bound by memory traffic).
 """
 
@@ -344,13 +346,17 @@ class LayerwiseRun:
         n, co, positions = d.shape
         ck = m.weight[0].numel() * groups  # rows of U: C_in * prod(kernel)
         if s.name not in self.plan.costs:
-            gram = 2.0 * positions**2 * co * ck / groups
+            valid = _valid_columns(m, a, positions).sum(1)  # per kernel offset
+            pairs = int((valid * (valid + 1) // 2).sum())
+            gram = 2.0 * pairs * co * ck / groups / len(valid)
             ps = (2.0 * positions + COST_PER_ENTRY) * co * ck / groups
             self.plan.costs[s.name] = {"gram": gram, "per_sample": ps}
             if len(s.calls) == 1 and gram <= ps:
                 self.plan.rules[s.name] = LayerRule.GRAM.value
         if not multi and self.plan.rules[s.name] == LayerRule.GRAM:
-            sq = _gram(d, u, groups, self._chunk(n, positions**2 * (co + ck), d))
+            pairs = _pairs(_valid_columns(m, a, positions))
+            most = max(len(w) for _, _, w in pairs)
+            sq = _gram(d, u, groups, pairs, self._chunk(n, 2 * most * (co + ck), d))
             self._add(s, sq.reshape(m.weight.shape))
             return
         # columns unfolded in large chunks (few im2col calls); per-sample gradients formed in
@@ -601,21 +607,67 @@ def _per_sample_weight(d: Tensor, u: Tensor, groups: int, out: Tensor | None = N
     return out
 
 
-def _gram(d: Tensor, u: Callable[[slice], Tensor], groups: int, step: int) -> Tensor:
-    """``sum_i G_i^2`` ``(Co, Ck / groups)`` as one matmul per chunk, inner size ``c L^2``."""
+def _valid_columns(m: nn.Module, a: Tensor, positions: int) -> Tensor:
+    """``(K, L)``: where ``U``'s columns can be non-zero, per kernel offset (``K = 1`` for
+    Linear) and output position; zero padding gives structural zeros."""
+    if isinstance(m, nn.Linear):
+        return torch.ones(1, positions, dtype=torch.bool, device=a.device)
+    kernel = tuple(m.kernel_size)
+    padding = numeric_padding(m.padding, tuple(m.dilation), kernel)
+    stride, dilation = tuple(m.stride), tuple(m.dilation)
+    ones = a.new_ones(1, 1, *a.shape[2:])
+    if isinstance(m, nn.Conv1d):
+        ones, kernel = ones.unsqueeze(2), (1, *kernel)
+        stride, padding, dilation = (1, *stride), (0, *padding), (1, *dilation)
+    return unfold_columns(ones, kernel, stride, padding, dilation)[0] != 0
+
+
+def _pairs(valid: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Per kernel offset, the pairs ``l <= l'`` of output positions where both columns can be
+    non-zero (``valid`` ``(K, L)``) and their weights (1 on the diagonal, 2 off it)."""
+    positions = valid.shape[1]
+    first, second = torch.triu_indices(positions, positions, device=valid.device)
+    out = []
+    for row in valid:
+        keep = row[first] & row[second]
+        f, g = first[keep], second[keep]
+        out.append((f, g, torch.where(f == g, 1.0, 2.0)))
+    return out
+
+
+def _gram(
+    d: Tensor,
+    u: Callable[[slice], Tensor],
+    groups: int,
+    pairs: list[tuple[Tensor, Tensor, Tensor]],
+    step: int,
+) -> Tensor:
+    """``sum_i G_i^2`` ``(Co, Ck / groups)`` without forming ``G_i``: per kernel offset ``k``,
+    ``sum_{i, l <= l'} w D_il D_il' U_ikl U_ikl'`` as one matmul with inner size ``c`` times
+    the offset's pairs (:func:`_pairs`), per chunk of ``c`` samples."""
     n, co = d.shape[:2]
-    total = None
+    offsets = len(pairs)
+    parts: list[Tensor | None] = [None] * offsets
+    cin = 0
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
         dc, uc = d[rows], u(rows)
-        c = dc.shape[0]
-        dd = (dc.unsqueeze(-1) * dc.unsqueeze(-2)).view(c, groups, co // groups, -1)
-        uu = (uc.unsqueeze(-1) * uc.unsqueeze(-2)).view(c, groups, uc.shape[1] // groups, -1)
-        dd = dd.permute(1, 2, 0, 3).reshape(groups, co // groups, -1)
-        uu = uu.permute(1, 0, 3, 2).reshape(groups, -1, uc.shape[1] // groups)
-        part = torch.bmm(dd, uu).reshape(co, -1)
-        total = part if total is None else total + part
-    return total  # type: ignore[return-value]
+        c, cin = dc.shape[0], uc.shape[1] // groups // offsets
+        # positions first, then groups, samples, channels: a pair's rows are contiguous
+        dt = dc.reshape(c, groups, co // groups, -1).permute(3, 1, 0, 2).contiguous()
+        ut = uc.reshape(c, groups, cin, offsets, -1).permute(3, 4, 1, 0, 2).contiguous()
+        for k, (f, g, w) in enumerate(pairs):
+            if not len(w):
+                continue
+            dd = dt[f] * dt[g] * w.to(dt.dtype).view(-1, 1, 1, 1)  # (pairs, groups, c, Co/g)
+            uu = ut[k][f] * ut[k][g]  # (pairs, groups, c, C_in/g)
+            dd = dd.transpose(0, 1).reshape(groups, -1, co // groups)
+            uu = uu.transpose(0, 1).reshape(groups, -1, cin)
+            part = torch.bmm(dd.transpose(1, 2), uu)  # (groups, Co/g, C_in/g)
+            parts[k] = part if parts[k] is None else parts[k] + part
+    zero = d.new_zeros(groups, co // groups, cin)
+    cols = [zero if p is None else p for p in parts]
+    return torch.stack(cols, dim=-1).reshape(co, -1)  # (Co, C_in/g * K): U's row order
 
 
 def _norm_grads(m: nn.Module, a: Tensor, g: Tensor, role: str) -> Tensor:

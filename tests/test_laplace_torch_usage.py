@@ -498,6 +498,33 @@ def test_diag_fit_streams_and_keeps_the_model() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("method", ["layerwise", "vmap", "auto"])
+@pytest.mark.parametrize("hessian", ["empirical", "ggn"])
+def test_diag_fit_takes_the_loss_from_the_fishers_own_forward_passes(
+    method: str, hessian: str
+) -> None:
+    """Layer-wise, the fit runs one batched forward per batch (the loss at the MAP comes from
+    it); by vmap, a batch's loss takes one more batched forward. The loss is the same."""
+    model = mlp(3, seed=21)
+    x, y = classification_data(20, seed=22)
+    batched: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a: batched.append(a[0].shape[0]))
+    try:
+        la = Laplace(model, "classification", "all", "diag", hessian=hessian, method=method)
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=8))
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        ref = nn.functional.cross_entropy(model(x), y, reduction="sum")
+    assert la.loss == pytest.approx(float(ref), abs=1e-10)
+    assert la.n_data == 20
+    big = [b for b in batched if b > 1]  # batch-of-one calls: shape and separability checks
+    if method == "layerwise":
+        assert big == [8, 8, 4]
+    if method == "vmap":
+        assert big == [8, 8, 4]  # the loss's own passes: vmap(grad) calls see single samples
+
+
 def test_diag_on_a_cnn_with_batch_norm() -> None:
     """Every weight of a small VGG-style block (conv, batch norm in eval, pooling, linear)."""
     torch.manual_seed(19)

@@ -112,6 +112,43 @@ def test_layerwise_matches_vmap(case_id: str, likelihood: str, kind: str) -> Non
     assert set(ref.plan.values()) <= {"vmap", "jacobian"}
 
 
+_GRAM_CONVS = {  # (kernel, stride, padding, dilation, groups, size): small maps run "gram"
+    "3x3_pad1_2x2": (3, 1, 1, 1, 1, 2),
+    "stride2": (3, 2, 1, 1, 1, 5),
+    "dilated_pad2": (3, 1, 2, 2, 1, 3),
+    "groups2": (3, 1, 1, 1, 2, 2),
+    "no_padding": (2, 1, 0, 1, 1, 3),
+    "same": (3, 1, "same", 1, 1, 3),
+    "1x3_groups2": ((1, 3), 1, (0, 1), 1, 2, 2),
+}
+
+
+@pytest.mark.parametrize(
+    ("geometry", "conv1d"),
+    [(g, d) for g in _GRAM_CONVS for d in (False, True) if not d or g != "1x3_groups2"],
+    ids=lambda v: v if isinstance(v, str) else ("conv1d" if v else "conv2d"),
+)
+def test_gram_skips_padding_pairs_exactly(geometry: str, conv1d: bool) -> None:
+    """The gram rule sums over pairs of positions per kernel offset, leaving out the pairs
+    that meet zero padding: equal to vmap(grad) on every geometry where it is chosen."""
+    kernel, stride, padding, dilation, groups, size = _GRAM_CONVS[geometry]
+    conv = (nn.Conv1d if conv1d else nn.Conv2d)(
+        4, 6, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups
+    )
+    torch.manual_seed(0)
+    shape = (5, 4, size) if conv1d else (5, 4, size, size)
+    with torch.no_grad():
+        width = conv(torch.zeros(1, *shape[1:])).numel()
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(width, 3)).to(DTYPE)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(*shape, generator=g, dtype=DTYPE), torch.randint(0, 3, (5,), generator=g))]
+    got = diag_fisher(model, data, method="layerwise")
+    ref = diag_fisher(model, data, method="vmap")
+    torch.testing.assert_close(got.flat, ref.flat, atol=TOL, rtol=0)
+    if geometry not in ("stride2", "same") or conv1d:
+        assert got.plan["0.weight"] == "gram"
+
+
 def test_plan_records_rules_and_reasons() -> None:
     model, *_, data, _ = _data("bn_cnn_multicrop", "classification")
     res = diag_fisher(model, data, progress=False)
