@@ -1443,6 +1443,11 @@ CELL_NOTES: dict[str, str] = {
     "fisher/gn_dw": "auto ran vmap (timed against layer-wise), the hand-written vmap(grad) does "
     "the same work with less bookkeeping (targets checked, per-tensor sums, subset "
     "selection); a lighter vmap path would close the gap",
+    "jacnorm/cnn8": "auto runs the library's vmap route, the same reverse-over-reverse "
+    "computation as the hand-written vmap(grad) with a double backward; interleaved in one "
+    "process the two take 0.48 and 0.49 s, so the gap here is the worker's run order and noise",
+    "jacnorm/gn_dw": "as jacnorm/cnn8: auto runs the vmap route, the hand-written double "
+    "backward's computation; within run-to-run noise (1.00-1.09 over runs)",
 }
 
 
@@ -1612,6 +1617,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- tables and plot
+def _label(c: dict[str, Any]) -> str:
+    """A cell's name, marked where it was re-run alone after the full run (``rerun``)."""
+    return c["name"] + (" (re-run)" if c.get("rerun") else "")
+
+
 def _ratio(x: float | None) -> str:
     if x is None:
         return "-"
@@ -1622,7 +1632,8 @@ def _ran(info: dict[str, Any]) -> str:
     ran = "/".join(str(info[k]) for k in ("strategy", "mode") if k in info) or str(
         info.get("method", "")
     )
-    return ran + (f", {info['probed']} probe(s)" if info.get("probed") else "")
+    probed = f"{info['probed']} probe(s)" if info.get("probed") else ""
+    return ", ".join(p for p in (ran, probed) if p)
 
 
 def summary_table(results: dict[str, Any]) -> str:
@@ -1633,7 +1644,7 @@ def summary_table(results: dict[str, Any]) -> str:
         problem = c.get("not_run") or c.get("error") or c.get("auto_problem")
         rows.append(
             [
-                c["name"],
+                _label(c),
                 fmt_seconds(c.get("train_step_seconds")),
                 _ratio(auto.get("ratio_to_train_step")),
                 c.get("best_other") or "-",
@@ -1741,7 +1752,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
     )
     ax.axhline(1.0, color="black", linewidth=1)
     ax.set_yscale("log")
-    ax.set_xticks(list(x), [c["name"] for c in cells], rotation=90, fontsize=7)
+    ax.set_xticks(list(x), [_label(c) for c in cells], rotation=90, fontsize=7)
     ax.set_ylabel("time ratio (log; < 1: the library is faster)")
     env = results["env"]
     ax.set_title(f"bench_peers: {env['device']}, {env['threads']} threads, torch {env['torch']}")
