@@ -75,6 +75,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         result = compute()
         result.update(jacnorm(slice(0, 3) if rank == 0 else slice(3, 5)))
         torch.save(result, f"{out}.{rank}")
+        dist.barrier()  # both ranks done before gloo tears down (else an abort, 1 run in 4)
     finally:
         dist.destroy_process_group()
 
