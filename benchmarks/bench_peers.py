@@ -1443,11 +1443,23 @@ CELL_NOTES: dict[str, str] = {
     "fisher/gn_dw": "auto ran vmap (timed against layer-wise), the hand-written vmap(grad) does "
     "the same work with less bookkeeping (targets checked, per-tensor sums, subset "
     "selection); a lighter vmap path would close the gap",
+    "jacnorm/cnn3": "auto runs the library's vmap route, the hand-written vmap(grad) with a "
+    "double backward's computation; this cell's ordering is not stable: interleaved in one "
+    "process both take 0.72-0.73 s, and alone in a worker the hand-written one took 0.55-0.82 s "
+    "and the library's 0.61-0.78 s over four runs",
     "jacnorm/cnn8": "auto runs the library's vmap route, the same reverse-over-reverse "
     "computation as the hand-written vmap(grad) with a double backward; interleaved in one "
-    "process the two take 0.48 and 0.49 s, so the gap here is the worker's run order and noise",
-    "jacnorm/gn_dw": "as jacnorm/cnn8: auto runs the vmap route, the hand-written double "
-    "backward's computation; within run-to-run noise (1.00-1.09 over runs)",
+    "process the two take 0.48 and 0.49 s, and a rerun of the cell alone gave 1.00",
+    "jacnorm/gelu_cnn": "as jacnorm/cnn8: the same computation; a rerun of the cell gave 1.00",
+    "jacnorm/gn_dw": "as jacnorm/cnn8: the same computation; within run-to-run noise (1.00-1.09 "
+    "over runs)",
+    "subset/det_head": "auto runs the fastest library route (forward mode, generic tangents, "
+    "within 8% of it); curvlinops' Jacobian-vector products are as fast as that route here "
+    "(0.039 s against 0.041-0.044 s), the earlier full run had the library ahead (0.97)",
+    "laplace/gn_dw": "structured and generic entries are within noise of each other on this "
+    "model: alone in one process, generic took 0.098 s and structured 0.108 s, the opposite "
+    "order to this run, and the timing on the first samples picked generic; the earlier full "
+    "run measured 0.97 against the best other method",
 }
 
 
