@@ -121,10 +121,6 @@ class LayerwisePlan:
     def layerwise_names(self) -> tuple[str, ...]:
         return tuple(n for n, r in self.rules.items() if r != LayerRule.VMAP)
 
-    @property
-    def vmap_names(self) -> tuple[str, ...]:
-        return tuple(n for n, r in self.rules.items() if r == LayerRule.VMAP)
-
 
 def plan_layers(model: nn.Module, subset: ParamSubset, *, eval_batch_norm: bool) -> LayerwisePlan:
     """Assign every selected tensor a rule from the module types that own it.
