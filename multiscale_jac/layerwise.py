@@ -23,10 +23,13 @@ of a layer called several times per sample are summed before squaring), ``norm_a
 ``sum delta_i`` over the non-channel dims) and ``vmap`` (no closed form: the caller computes
 these tensors with ``torch.func.vmap(grad)``).
 
-``gram`` vs ``per_sample`` is picked by a cost model in flop-equivalents: ``2 N Co Ck`` times
-the mean pairs per offset (at most ``L (L + 1) / 2``; a 3x3 convolution on a 2x2 map has 26
-pairs over its 9 offsets, not ``9 L^2 = 144``) for ``gram`` and ``2 N L Co Ck + COST_PER_ENTRY * N Co Ck`` for ``per_sample`` (forming, squaring and
-summing ``N Co Ck`` entries is bound by memory traffic).
+``gram`` vs ``per_sample`` is picked by a cost model in flop-equivalents, per objective
+``2 N L Co Ck + COST_PER_ENTRY * N Co Ck`` for ``per_sample`` (forming, squaring and summing
+``N Co Ck`` entries is bound by memory traffic) and ``2 N Co Ck`` times the mean pairs per
+offset for ``gram`` (at most ``L (L + 1) / 2``; a 3x3 convolution on a 2x2 map has 26 pairs
+over its 9 offsets, not ``9 L^2 = 144``). With several objectives (the exact GGN's one per
+class) their ``D`` pair products are summed first (``COST_PER_ENTRY`` per pair entry and
+objective) and the ``gram`` matmul runs once.
 """
 
 from __future__ import annotations
@@ -223,6 +226,8 @@ class LayerwiseRun:
         # reusable flat buffers for the per-layer temporaries (no-graph runs only): the same
         # memory serves every layer and chunk instead of a fresh allocation each time
         self._work: dict[str, Tensor] = {}
+        # gram over several objectives: the weighted pair products summed so far, per tensor
+        self._pair_sums: dict[str, Tensor] = {}
 
     def _scratch(self, key: str, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
         """A ``shape`` view of the run's reusable buffer ``key``; ``None`` with ``create_graph``
@@ -342,18 +347,23 @@ class LayerwiseRun:
         n, co, positions = d.shape
         ck = m.weight[0].numel() * groups  # rows of U: C_in * prod(kernel)
         if s.name not in self.plan.costs:
-            valid = _valid_columns(m, a, positions).sum(1)  # per kernel offset
-            pairs = int((valid * (valid + 1) // 2).sum())
-            gram = 2.0 * pairs * co * ck / groups / len(valid)
-            ps = (2.0 * positions + COST_PER_ENTRY) * co * ck / groups
-            self.plan.costs[s.name] = {"gram": gram, "per_sample": ps}
-            if len(s.calls) == 1 and gram <= ps:
-                self.plan.rules[s.name] = LayerRule.GRAM.value
+            self.plan.costs[s.name] = self._costs(s, d, ck, _valid_columns(m, a, positions))
         if not multi and self.plan.rules[s.name] == LayerRule.GRAM:
             pairs = _pairs(_valid_columns(m, a, positions))
-            most = max(len(w) for _, _, w in pairs)
-            sq = _gram(d, u, groups, pairs, self._chunk(n, 2 * most * (co + ck), d))
-            self._add(s, sq.reshape(m.weight.shape))
+            most = max(len(w) for _, _, _, w in pairs)
+            step = self._chunk(n, 2 * most * (co + ck), d)
+            if not self.plan.costs[s.name]["summed"]:
+                self._add(s, _gram(d, u, groups, pairs, step).reshape(m.weight.shape))
+                return
+            # several objectives (a class each): their pair products summed first, then one
+            # matmul per kernel offset at the last (the class sum does not multiply it)
+            acc = self._pair_sums.get(s.name)
+            self._pair_sums[s.name] = _add_pair_products(acc, d, self._weight)
+            if self._objective == self._last:
+                summed = self._pair_sums.pop(s.name)
+                sq = _gram(d, u, groups, pairs, step, summed).reshape(m.weight.shape)
+                prev = self._sums.get(s.name)
+                self._sums[s.name] = sq if prev is None else prev + sq
             return
         # columns unfolded in large chunks (few im2col calls); per-sample gradients formed in
         # small ones (squared while still in cache)
@@ -370,6 +380,30 @@ class LayerwiseRun:
                 self._add_per_sample(s, per, multi, rows, n)
                 del per  # before the next chunk's bmm allocates its own
             del cols
+
+    def _costs(self, s: _Site, d: Tensor, ck: int, valid: Tensor) -> dict[str, float]:
+        """Flop-equivalents per sample over the run's objectives of ``gram`` and
+        ``per_sample`` for a weight (``valid`` ``(K, L)``, :func:`_valid_columns`), and
+        whether ``gram`` sums the objectives' pair products before its matmul (``summed``:
+        several objectives, no graph, the sums within four times the temporaries' bytes);
+        sets the rule to ``gram`` where it is cheaper."""
+        n, co, positions = d.shape
+        objectives, groups = self._last + 1, co * ck // s.modules[0].weight.numel()
+        per_offset = valid.sum(1)
+        pairs = int((per_offset * (per_offset + 1) // 2).sum())
+        matmul = 2.0 * pairs * co * ck / groups / len(per_offset)
+        ps = objectives * (2.0 * positions + COST_PER_ENTRY) * co * ck / groups
+        all_pairs = positions * (positions + 1) // 2
+        summed = (
+            objectives > 1
+            and not self.create_graph
+            and n * co * all_pairs * d.element_size() <= 4 * self.temp_bytes
+        )
+        formed = objectives * COST_PER_ENTRY * all_pairs * co  # the pair products, summed
+        gram = matmul + formed if summed else objectives * matmul
+        if len(s.calls) == 1 and gram <= ps:
+            self.plan.rules[s.name] = LayerRule.GRAM.value
+        return {"gram": gram, "per_sample": ps, "summed": float(summed)}
 
     def _chunk(self, n: int, elems_per_sample: int, like: Tensor, cap: int | None = None) -> int:
         budget = self.temp_bytes if cap is None else min(cap, self.temp_bytes)
@@ -618,50 +652,81 @@ def _valid_columns(m: nn.Module, a: Tensor, positions: int) -> Tensor:
     return unfold_columns(ones, kernel, stride, padding, dilation)[0] != 0
 
 
-def _pairs(valid: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+def _pairs(valid: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """Per kernel offset, the pairs ``l <= l'`` of output positions where both columns can be
-    non-zero (``valid`` ``(K, L)``) and their weights (1 on the diagonal, 2 off it)."""
+    non-zero (``valid`` ``(K, L)``): their indices among all pairs (``torch.triu_indices``
+    order, :func:`_add_pair_products`), ``l``, ``l'`` and weights (1 on the diagonal, 2 off
+    it)."""
     positions = valid.shape[1]
     first, second = torch.triu_indices(positions, positions, device=valid.device)
     out = []
     for row in valid:
         keep = row[first] & row[second]
         f, g = first[keep], second[keep]
-        out.append((f, g, torch.where(f == g, 1.0, 2.0)))
+        out.append((keep.nonzero().view(-1), f, g, torch.where(f == g, 1.0, 2.0)))
     return out
+
+
+def _add_pair_products(acc: Tensor | None, d: Tensor, weight: float) -> Tensor:
+    """``acc + weight * w_ll' D_il D_il'`` ``(L (L + 1) / 2, N, Co)`` over all pairs
+    ``l <= l'`` (``torch.triu_indices`` order, pairs first: each a contiguous block; ``w`` 1
+    on the diagonal, 2 off it), in place into ``acc`` (zeros when ``None``) by one
+    broadcast multiply-add per position (no gathers)."""
+    positions = d.shape[-1]
+    dt = d.permute(2, 0, 1).contiguous()  # (L, N, Co)
+    if acc is None:
+        acc = dt.new_zeros(positions * (positions + 1) // 2, *dt.shape[1:])
+    start = 0
+    for lo in range(positions):
+        acc[start].addcmul_(dt[lo], dt[lo], value=weight)
+        if lo + 1 < positions:
+            rest = acc[start + 1 : start + positions - lo]
+            rest.addcmul_(dt[lo].unsqueeze(0), dt[lo + 1 :], value=2.0 * weight)
+        start += positions - lo
+    return acc
 
 
 def _gram(
     d: Tensor,
     u: Callable[[slice], Tensor],
     groups: int,
-    pairs: list[tuple[Tensor, Tensor, Tensor]],
+    pairs: list[tuple[Tensor, Tensor, Tensor, Tensor]],
     step: int,
+    products: Tensor | None = None,
 ) -> Tensor:
     """``sum_i G_i^2`` ``(Co, Ck / groups)`` without forming ``G_i``: per kernel offset ``k``,
     ``sum_{i, l <= l'} w D_il D_il' U_ikl U_ikl'`` as one matmul with inner size ``c`` times
-    the offset's pairs (:func:`_pairs`), per chunk of ``c`` samples."""
+    the offset's pairs (:func:`_pairs`), per chunk of ``c`` samples. With ``products``
+    ``(pairs, N, Co)`` (the weighted ``D`` pair products summed over objectives,
+    :func:`_add_pair_products`) those stand in for ``D``'s."""
     n, co = d.shape[:2]
-    offsets = len(pairs)
+    cog, offsets = co // groups, len(pairs)
     parts: list[Tensor | None] = [None] * offsets
     cin = 0
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
-        dc, uc = d[rows], u(rows)
-        c, cin = dc.shape[0], uc.shape[1] // groups // offsets
+        uc = u(rows)
+        c, cin = uc.shape[0], uc.shape[1] // groups // offsets
         # positions first, then groups, samples, channels: a pair's rows are contiguous
-        dt = dc.reshape(c, groups, co // groups, -1).permute(3, 1, 0, 2).contiguous()
         ut = uc.reshape(c, groups, cin, offsets, -1).permute(3, 4, 1, 0, 2).contiguous()
-        for k, (f, g, w) in enumerate(pairs):
+        if products is None:
+            dt = d[rows].reshape(c, groups, cog, -1).permute(3, 1, 0, 2).contiguous()
+        else:  # (pairs, c, Co) -> (pairs, groups, c, Co/g), like dt
+            pc = products[:, rows].reshape(-1, c, groups, cog).transpose(1, 2)
+        for k, (idx, f, g, w) in enumerate(pairs):
             if not len(w):
                 continue
-            dd = dt[f] * dt[g] * w.to(dt.dtype).view(-1, 1, 1, 1)  # (pairs, groups, c, Co/g)
-            uu = ut[k][f] * ut[k][g]  # (pairs, groups, c, C_in/g)
-            dd = dd.transpose(0, 1).reshape(groups, -1, co // groups)
-            uu = uu.transpose(0, 1).reshape(groups, -1, cin)
+            if products is None:
+                dd = dt[f] * dt[g] * w.to(dt.dtype).view(-1, 1, 1, 1)  # (pairs, groups, c, Co/g)
+            else:
+                dd = pc[idx]
+            dd = dd.transpose(0, 1)  # (groups, pairs, c, Co/g)
+            uu = (ut[k][f] * ut[k][g]).transpose(0, 1)  # (groups, pairs, c, C_in/g)
+            dd = dd.reshape(groups, -1, cog)
+            uu = uu.reshape(groups, -1, cin)
             part = torch.bmm(dd.transpose(1, 2), uu)  # (groups, Co/g, C_in/g)
             parts[k] = part if parts[k] is None else parts[k] + part
-    zero = d.new_zeros(groups, co // groups, cin)
+    zero = d.new_zeros(groups, cog, cin)
     cols = [zero if p is None else p for p in parts]
     return torch.stack(cols, dim=-1).reshape(co, -1)  # (Co, C_in/g * K): U's row order
 
