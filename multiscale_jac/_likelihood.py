@@ -113,18 +113,18 @@ def check_targets(
     out_shape: torch.Size,
     likelihood: Likelihood,
     ignore_index: int,
-    first: int,
+    numbers: list[int],
 ) -> list[Tensor]:
-    """:func:`check_target` of samples ``first, first + 1, ...`` that share ``out_shape``, at
-    one check for all where their targets share a shape and dtype (a per-sample check costs
-    a device sync: 4 ms per 128 samples); the error names the first bad sample all the same."""
-    shapes = {(tuple(t.shape), t.dtype) for t in targets}
-    if len(targets) < 2 or len(shapes) > 1:
+    """:func:`check_target` of samples ``numbers`` (as errors name them) that share
+    ``out_shape``, at one check for all where their targets share a shape and dtype (a
+    per-sample check costs a device sync: 4 ms per 128 samples); the error names the first
+    bad sample all the same."""
+    if len(targets) < 2 or len({(tuple(t.shape), t.dtype) for t in targets}) > 1:
         return [
-            check_target(y, out_shape, likelihood, ignore_index, first + i)
-            for i, y in enumerate(targets)
+            check_target(y, out_shape, likelihood, ignore_index, i)
+            for y, i in zip(targets, numbers)
         ]
-    check_target(targets[0], out_shape, likelihood, ignore_index, first)  # shape and dtype
+    check_target(targets[0], out_shape, likelihood, ignore_index, numbers[0])  # shape, dtype
     stacked = torch.stack(targets).reshape(len(targets), -1)
     if likelihood is Likelihood.REGRESSION:
         bad = ~torch.isfinite(stacked) if stacked.is_floating_point() else None
@@ -133,8 +133,8 @@ def check_targets(
         classes = int(out_shape[0])
         bad = ((stacked < 0) | (stacked >= classes)) & (stacked != ignore_index)
     if bad is not None and bool(bad.any()):
-        i = int(bad.any(dim=1).nonzero()[0, 0])
-        check_target(targets[i], out_shape, likelihood, ignore_index, first + i)  # raises
+        k = int(bad.any(dim=1).nonzero()[0, 0])
+        check_target(targets[k], out_shape, likelihood, ignore_index, numbers[k])  # raises
     return list(stacked.unbind(0))
 
 

@@ -342,8 +342,8 @@ class _EngineRun:
         """Run the first samples of the largest bucket with each shortlisted route: a
         one-sample warm-up (a route's first call pays one-time costs), then one vectorised
         call on an equal share of the bucket, at least :data:`MIN_PROBE_SAMPLES` (or the whole
-        bucket), timed (:func:`stopwatch`). Their Jacobians go into the result, so timing costs only the slower
-        routes' extra time. Where the bucket is too small for every route to get new samples,
+        bucket), timed (:func:`stopwatch`). Their Jacobians go into the result, so timing
+        costs only the slower routes' extra time. Where the bucket is too small for every route to get new samples,
         later routes redo samples already done (their results are the same). Returns the
         result buffers, the samples done and the fastest route."""
         trial, self.trial = self.trial or [], None  # ((strategy, mode, entries), plan)
@@ -358,9 +358,7 @@ class _EngineRun:
                 continue
             # one vectorised call of the route (its samples per call), up to a share of the
             # bucket: per-sample times of one sample misjudge routes that vectorise better;
-            # the warm-up is one sample (a warm-up of the timed call's size cost probe time
-            # and, on a small budget, memory without changing a choice once the collector
-            # was kept out of the timing)
+            # the warm-up is one sample
             (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
             k = 1 if not timed else min(share, max(c.samples for c in group.chunks))
             idx = pool[:k] if len(pool) >= k else list(bucket.indices[-k:])

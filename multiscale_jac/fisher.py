@@ -265,11 +265,15 @@ class _FisherRun:
             sub_fn = self.prep.function(sub, output_fn=fn.output_fn)
             self._add_terms(sub_fn, sub, [per_sample[i] for i in rest])
 
+    def _choosing(self) -> bool:
+        """``method="auto"`` with a layer-wise plan whose choice against ``vmap`` is open."""
+        return self.opts.method is FisherMethod.AUTO and self.plan is not None and not self.tuned
+
     def _recall(self, packed: PackedBatch) -> None:
         """``method="auto"`` with a layer-wise plan, on the first batch: the choice cached for
         these shapes (model structure, inputs, options), with the output shapes and the
         separability check found then, so no forward pass is redone for them."""
-        if self.opts.method is not FisherMethod.AUTO or self.plan is None or self.tuned:
+        if not self._choosing():
             return
         opts = self.opts
         self.key = (
@@ -294,7 +298,7 @@ class _FisherRun:
         these shapes, else layer-wise and ``vmap`` each run a warm-up chunk and a timed chunk
         of the batch's largest bucket (their sums count), and the faster is cached and runs
         the rest of the data. Returns the samples still to run (``None``: none ran)."""
-        if self.opts.method is not FisherMethod.AUTO or self.plan is None or self.tuned:
+        if not self._choosing():
             return None
         self.tuned = True
         bucket = max(packed.buckets(), key=lambda b: len(b.indices))
@@ -359,16 +363,15 @@ class _FisherRun:
                         fn, values, tuple(packed.sample(i))
                     ).shape[1:]
             shape = self.shapes[bucket.signature]
-            for run in _runs(bucket.indices):  # consecutive samples: named by their index
-                flats = check_targets(
-                    [targets[j] for j in run],
-                    shape,
-                    self.opts.likelihood,
-                    self.opts.ignore,
-                    self.count + run[0],
-                )
-                for j, flat in zip(run, flats):
-                    out[j] = flat.view(shape[1:]) if classes else targets[j]
+            flats = check_targets(
+                [targets[j] for j in bucket.indices],
+                shape,
+                self.opts.likelihood,
+                self.opts.ignore,
+                [self.count + j for j in bucket.indices],
+            )
+            for j, flat in zip(bucket.indices, flats):
+                out[j] = flat.view(shape[1:]) if classes else targets[j]
         return out
 
     def _chunk_sizes(self, fn: PerSampleFunction, packed: PackedBatch) -> tuple[int | None, int]:
@@ -679,14 +682,3 @@ def _selected(subset: ParamSubset, sums: dict[str, Tensor]) -> dict[str, Tensor]
 def _add(totals: dict[str, Tensor], part: dict[str, Tensor]) -> None:
     for name, t in part.items():
         totals[name] = t if name not in totals else totals[name] + t
-
-
-def _runs(indices: list[int]) -> list[list[int]]:
-    """``indices`` cut into runs of consecutive numbers."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and runs[-1][-1] == i - 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs

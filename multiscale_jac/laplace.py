@@ -1380,10 +1380,10 @@ class DiagLaplace(SubnetLaplace):
         self._chol = None
         return self
 
-    def _batch_loss(self, batch: Any, seen: int) -> tuple[float, int, int]:
-        """The negative log-likelihood sum (at ``sigma = 1``), the regression output entries
-        and the samples of one ``(inputs, targets)`` batch: one batched forward pass per shape
-        bucket (chunked by ``chunk_size``), without gradients."""
+    def _batch_loss(self, batch: Any, seen: int) -> tuple[float, int]:
+        """The negative log-likelihood sum (at ``sigma = 1``) and the regression output
+        entries of one ``(inputs, targets)`` batch (``seen`` samples before it): one batched
+        forward pass per shape bucket (chunked by ``chunk_size``), without gradients."""
         inputs, targets = pair(batch)
         packed = self._prep.pack(inputs, finite=True)
         fn = self._prep.function(packed, output_fn=Capture(self.output_fn, type(self).__name__))
@@ -1405,7 +1405,7 @@ class DiagLaplace(SubnetLaplace):
                     )
                     loss += float(nll_sum(out, y, self.likelihood, 1.0, self.ignore_index))
                     n_out += out.numel() if self.likelihood is Likelihood.REGRESSION else 0
-        return loss, n_out, len(packed)
+        return loss, n_out
 
     # ------------------------------------------------------------------ posterior (diagonal)
     def posterior_precision_matrix(
@@ -1461,7 +1461,7 @@ class _LossTap:
     def __init__(
         self,
         data: Iterable[Any],
-        loss_fn: Callable[[Any, int], tuple[float, int, int]],
+        loss_fn: Callable[[Any, int], tuple[float, int]],
         reducer: Reducer,
     ) -> None:
         self.data, self.loss_fn, self.reducer = data, loss_fn, reducer
@@ -1489,7 +1489,7 @@ class _LossTap:
             before = (t.loss, t.outputs, t.samples, t.expected)
             yield batch  # the fisher runs it before it asks for the next one
             if t.samples - before[2] != t.expected - before[3]:
-                loss, n_out, _ = self.loss_fn(batch, before[3])
+                loss, n_out = self.loss_fn(batch, before[3])
                 t.loss, t.outputs = before[0] + loss, before[1] + n_out
                 t.samples = t.expected
 

@@ -347,23 +347,22 @@ class LayerwiseRun:
         n, co, positions = d.shape
         ck = m.weight[0].numel() * groups  # rows of U: C_in * prod(kernel)
         if s.name not in self.plan.costs:
-            self.plan.costs[s.name] = self._costs(s, d, ck, _valid_columns(m, a, positions))
+            valid = _valid_columns(m, a, positions)
+            self.plan.costs[s.name] = self._costs(s, d, ck, groups, valid)
         if not multi and self.plan.rules[s.name] == LayerRule.GRAM:
+            products, weight = None, self._weight
+            if self.plan.costs[s.name]["summed"]:
+                # several objectives (a class each): their D pair products summed first, one
+                # matmul per kernel offset at the last (the class sum does not multiply it)
+                acc = self._pair_sums.get(s.name)
+                self._pair_sums[s.name] = _add_pair_products(acc, d, self._weight)
+                if self._objective < self._last:
+                    return
+                products, weight = self._pair_sums.pop(s.name), 1.0
             pairs = _pairs(_valid_columns(m, a, positions))
-            most = max(len(w) for _, _, _, w in pairs)
+            most = max(len(f) for _, f, _ in pairs)
             step = self._chunk(n, 2 * most * (co + ck), d)
-            if not self.plan.costs[s.name]["summed"]:
-                self._add(s, _gram(d, u, groups, pairs, step).reshape(m.weight.shape))
-                return
-            # several objectives (a class each): their pair products summed first, then one
-            # matmul per kernel offset at the last (the class sum does not multiply it)
-            acc = self._pair_sums.get(s.name)
-            self._pair_sums[s.name] = _add_pair_products(acc, d, self._weight)
-            if self._objective == self._last:
-                summed = self._pair_sums.pop(s.name)
-                sq = _gram(d, u, groups, pairs, step, summed).reshape(m.weight.shape)
-                prev = self._sums.get(s.name)
-                self._sums[s.name] = sq if prev is None else prev + sq
+            self._add(s, _gram(d, u, groups, pairs, step, products).reshape(m.weight.shape), weight)
             return
         # columns unfolded in large chunks (few im2col calls); per-sample gradients formed in
         # small ones (squared while still in cache)
@@ -381,14 +380,14 @@ class LayerwiseRun:
                 del per  # before the next chunk's bmm allocates its own
             del cols
 
-    def _costs(self, s: _Site, d: Tensor, ck: int, valid: Tensor) -> dict[str, float]:
+    def _costs(self, s: _Site, d: Tensor, ck: int, groups: int, valid: Tensor) -> dict[str, float]:
         """Flop-equivalents per sample over the run's objectives of ``gram`` and
         ``per_sample`` for a weight (``valid`` ``(K, L)``, :func:`_valid_columns`), and
         whether ``gram`` sums the objectives' pair products before its matmul (``summed``:
         several objectives, no graph, the sums within four times the temporaries' bytes);
         sets the rule to ``gram`` where it is cheaper."""
         n, co, positions = d.shape
-        objectives, groups = self._last + 1, co * ck // s.modules[0].weight.numel()
+        objectives = self._last + 1
         per_offset = valid.sum(1)
         pairs = int((per_offset * (per_offset + 1) // 2).sum())
         matmul = 2.0 * pairs * co * ck / groups / len(per_offset)
@@ -442,8 +441,10 @@ class LayerwiseRun:
             del self._buffers[s.name]
             self._add(s, (buf * buf).sum(0))
 
-    def _add(self, s: _Site, sq: Tensor) -> None:
-        sq = sq if self._weight == 1.0 else sq * self._weight
+    def _add(self, s: _Site, sq: Tensor, weight: float | None = None) -> None:
+        """``sums[s] += weight * sq`` (``weight``: the current objective's by default)."""
+        weight = self._weight if weight is None else weight
+        sq = sq if weight == 1.0 else sq * weight
         prev = self._sums.get(s.name)
         self._sums[s.name] = sq if prev is None else prev + sq
 
@@ -652,18 +653,16 @@ def _valid_columns(m: nn.Module, a: Tensor, positions: int) -> Tensor:
     return unfold_columns(ones, kernel, stride, padding, dilation)[0] != 0
 
 
-def _pairs(valid: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+def _pairs(valid: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Per kernel offset, the pairs ``l <= l'`` of output positions where both columns can be
     non-zero (``valid`` ``(K, L)``): their indices among all pairs (``torch.triu_indices``
-    order, :func:`_add_pair_products`), ``l``, ``l'`` and weights (1 on the diagonal, 2 off
-    it)."""
+    order, :func:`_add_pair_products`), ``l`` and ``l'``."""
     positions = valid.shape[1]
     first, second = torch.triu_indices(positions, positions, device=valid.device)
     out = []
     for row in valid:
         keep = row[first] & row[second]
-        f, g = first[keep], second[keep]
-        out.append((keep.nonzero().view(-1), f, g, torch.where(f == g, 1.0, 2.0)))
+        out.append((keep.nonzero().view(-1), first[keep], second[keep]))
     return out
 
 
@@ -690,15 +689,15 @@ def _gram(
     d: Tensor,
     u: Callable[[slice], Tensor],
     groups: int,
-    pairs: list[tuple[Tensor, Tensor, Tensor, Tensor]],
+    pairs: list[tuple[Tensor, Tensor, Tensor]],
     step: int,
     products: Tensor | None = None,
 ) -> Tensor:
     """``sum_i G_i^2`` ``(Co, Ck / groups)`` without forming ``G_i``: per kernel offset ``k``,
     ``sum_{i, l <= l'} w D_il D_il' U_ikl U_ikl'`` as one matmul with inner size ``c`` times
-    the offset's pairs (:func:`_pairs`), per chunk of ``c`` samples. With ``products``
-    ``(pairs, N, Co)`` (the weighted ``D`` pair products summed over objectives,
-    :func:`_add_pair_products`) those stand in for ``D``'s."""
+    the offset's pairs (:func:`_pairs`), per chunk of ``c`` samples. The weighted ``D`` pair
+    products are :func:`_add_pair_products` of ``d``, or ``products`` ``(pairs, N, Co)`` where
+    the caller summed them over several objectives."""
     n, co = d.shape[:2]
     cog, offsets = co // groups, len(pairs)
     parts: list[Tensor | None] = [None] * offsets
@@ -709,21 +708,13 @@ def _gram(
         c, cin = uc.shape[0], uc.shape[1] // groups // offsets
         # positions first, then groups, samples, channels: a pair's rows are contiguous
         ut = uc.reshape(c, groups, cin, offsets, -1).permute(3, 4, 1, 0, 2).contiguous()
-        if products is None:
-            dt = d[rows].reshape(c, groups, cog, -1).permute(3, 1, 0, 2).contiguous()
-        else:  # (pairs, c, Co) -> (pairs, groups, c, Co/g), like dt
-            pc = products[:, rows].reshape(-1, c, groups, cog).transpose(1, 2)
-        for k, (idx, f, g, w) in enumerate(pairs):
-            if not len(w):
+        pc = _add_pair_products(None, d[rows], 1.0) if products is None else products[:, rows]
+        pc = pc.reshape(-1, c, groups, cog).transpose(1, 2)  # (pairs, groups, c, Co/g)
+        for k, (idx, f, g) in enumerate(pairs):
+            if not len(idx):
                 continue
-            if products is None:
-                dd = dt[f] * dt[g] * w.to(dt.dtype).view(-1, 1, 1, 1)  # (pairs, groups, c, Co/g)
-            else:
-                dd = pc[idx]
-            dd = dd.transpose(0, 1)  # (groups, pairs, c, Co/g)
-            uu = (ut[k][f] * ut[k][g]).transpose(0, 1)  # (groups, pairs, c, C_in/g)
-            dd = dd.reshape(groups, -1, cog)
-            uu = uu.reshape(groups, -1, cin)
+            dd = pc[idx].transpose(0, 1).reshape(groups, -1, cog)  # (groups, pairs c, Co/g)
+            uu = (ut[k][f] * ut[k][g]).transpose(0, 1).reshape(groups, -1, cin)
             part = torch.bmm(dd.transpose(1, 2), uu)  # (groups, Co/g, C_in/g)
             parts[k] = part if parts[k] is None else parts[k] + part
     zero = d.new_zeros(groups, cog, cin)
