@@ -34,6 +34,7 @@ from .subset import ParamSubset
 
 __all__ = [
     "COUNTS",
+    "KERNEL_CACHE",
     "PLAN_CACHE",
     "Decision",
     "EngineOptions",
@@ -798,3 +799,6 @@ class PlanCache:
 
 #: the process-wide plan cache of the engine
 PLAN_CACHE = PlanCache()
+#: measured kernel choices per layer and input shape (the layer-wise rules' convolutions),
+#: apart so that a deep model's layers never push whole plans out
+KERNEL_CACHE = PlanCache(maxsize=1024)

@@ -35,6 +35,7 @@ from ._checks import (
 )
 from ._planning import (
     COUNTS,
+    KERNEL_CACHE,
     PLAN_CACHE,
     EngineOptions,
     VectorPlan,
@@ -110,6 +111,7 @@ def clear_plan_cache() -> None:
     for cuDNN autotuning; nothing is stored on the model.
     """
     PLAN_CACHE.clear()
+    KERNEL_CACHE.clear()
     COUNTS.clear()
 
 

@@ -30,6 +30,13 @@ offset for ``gram`` (at most ``L (L + 1) / 2``; a 3x3 convolution on a 2x2 map h
 over its 9 offsets, not ``9 L^2 = 144``). With several objectives (the exact GGN's one per
 class) their ``D`` pair products are summed first (``COST_PER_ENTRY`` per pair entry and
 objective) and the ``gram`` matmul runs once.
+
+A convolution's ``per_sample`` gradients are formed either from columns (im2col, ``bmm``) or
+as the weight gradient of one grouped convolution over a chunk of samples; which is faster
+depends on the channels and the backend, so it is timed once per layer and input shape
+(:meth:`LayerwiseRun._kernel`). The backward passes stop at the outputs of the layers that
+read a model input directly (unless something else reads it): the input's own gradient is
+never formed.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ._ops import named, numeric_padding
+from ._planning import COUNTS, KERNEL_CACHE, stopwatch
 from .adapter import PerSampleFunction
 from .enums import LayerRule
 from .subset import ParamSubset
@@ -69,7 +77,13 @@ COST_PER_ENTRY = 12.0
 #: bytes of per-layer temporaries (unfolded columns, per-sample gradients) per chunk of samples
 DEFAULT_TEMP_BYTES = 8 * 2**20
 #: per-sample gradients formed per chunk at most (squared while still in cache)
-CACHE_BYTES = 2 * 2**20
+CACHE_BYTES = 4 * 2**20
+#: a convolution's per-sample gradients (flops of forming them) below which its two kernels
+#: are not timed against each other (about a millisecond on one CPU core)
+PROBE_MIN_FLOPS = 5e7
+#: channels (samples x channels per sample) per grouped convolution at most: past about this
+#: many, oneDNN's grouped weight gradient on CPU was 3-10x slower per sample
+GROUPED_CHANNELS = 2048
 
 _CONV = (nn.Conv1d, nn.Conv2d)
 _NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm)
@@ -107,11 +121,15 @@ class LayerwisePlan:
         reasons: name -> why it takes ``vmap``.
         costs: name -> ``{"gram": ..., "per_sample": ...}`` flop-equivalents per sample (convs
             and Linear layers, once known).
+        kernels: name -> how a convolution's ``per_sample`` rule forms the gradients where
+            that was measured: ``"columns"`` (im2col and ``bmm``) or ``"conv, c samples a
+            call"`` (grouped convolutions' weight gradients).
     """
 
     rules: dict[str, str]
     reasons: dict[str, str]
     costs: dict[str, dict[str, float]] = field(default_factory=dict)
+    kernels: dict[str, str] = field(default_factory=dict)
     sites: dict[str, _Site] = field(default_factory=dict, repr=False)
 
     def require_all(self) -> None:
@@ -217,6 +235,9 @@ class LayerwiseRun:
                 self._modules[id(m)] = m
         self._handles: list[Any] = []
         self._watch = _UseWatch({id(s.modules[0]._parameters[s.role]): s.name for s in self.sites})
+        # outputs of the layers that read a model input directly, per input: the backward
+        # stops there (no gradient of the input itself) unless something else reads it
+        self._entries: dict[int, list[Tensor]] = {}
         self._stack = contextlib.ExitStack()
         self._sums: dict[str, Tensor] = {}
         self._buffers: dict[str, Tensor] = {}
@@ -258,6 +279,10 @@ class LayerwiseRun:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def watch_inputs(self, inputs: Sequence[Tensor]) -> None:
+        """Call before the forward with the model's inputs (the backward's anchors)."""
+        self._watch.inputs = {id(t) for t in inputs}
+
     def close(self) -> None:
         self._stack.close()
         self._work.clear()
@@ -270,7 +295,12 @@ class LayerwiseRun:
         self._watch.inside += 1
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._watch.inside -= 1
+        try:
+            self._record(module, args, output)
+        finally:
+            self._watch.inside -= 1  # after the record's own reads (the input's detach)
+
+    def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
         kind = type(module).__name__
         if len(args) != 1 or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
             self._error = NotLayerwiseError(f"{kind} was called with other than one tensor")
@@ -278,6 +308,8 @@ class LayerwiseRun:
         if not output.requires_grad:
             self._error = NotLayerwiseError(f"the output of a {kind} does not require grad")
             return
+        if id(args[0]) in self._watch.inputs:
+            self._entries.setdefault(id(args[0]), []).append(output)
         call = _Call(module, args[0] if self.create_graph else args[0].detach())
         sites = self._by_module[id(module)]
         for s in sites:
@@ -305,6 +337,7 @@ class LayerwiseRun:
         anchors = [a for a in anchors if a.requires_grad]
         if not anchors:
             raise NotLayerwiseError("no input of the model is a floating-point tensor")
+        anchors, self._entries = self._stops(anchors), {}
         self._last = len(objectives) - 1
         for k, (scalar, weight) in enumerate(objectives):
             self._objective, self._weight = k, weight
@@ -322,6 +355,17 @@ class LayerwiseRun:
                         "output does not reach the model's inputs in the graph)"
                     )
         return self._sums
+
+    def _stops(self, anchors: list[Tensor]) -> list[Tensor]:
+        """Where the backward passes stop: an input read only by layers is replaced by those
+        layers' outputs (their gradients are all the rules need; the input's would cost a
+        backward through the first layer for nothing)."""
+        stops = []
+        for a in anchors:
+            entries = self._entries.get(id(a))
+            read_outside = id(a) in self._watch.inputs_outside
+            stops.extend([a] if read_outside or not entries else entries)
+        return stops
 
     def _on_grad(self, call: _Call, sites: list[_Site], g: Tensor) -> None:
         call.received += 1
@@ -364,6 +408,24 @@ class LayerwiseRun:
             step = self._chunk(n, 2 * most * (co + ck), d)
             self._add(s, _gram(d, u, groups, pairs, step, products).reshape(m.weight.shape), weight)
             return
+        kernel = 0 if multi else self._kernel(s, m, a, g, ck)
+        if kernel:
+            self._per_sample(s, m, a, g, kernel)
+            return
+        self._by_columns(s, m, d, u, groups, multi)
+
+    def _by_columns(
+        self,
+        s: _Site,
+        m: nn.Module,
+        d: Tensor,
+        u: Callable[[slice], Tensor],
+        groups: int,
+        multi: bool,
+    ) -> None:
+        """``per_sample`` by columns: ``G_i = D_i U_i^T`` by ``bmm``."""
+        n, co, positions = d.shape
+        ck = m.weight[0].numel() * groups
         # columns unfolded in large chunks (few im2col calls); per-sample gradients formed in
         # small ones (squared while still in cache)
         outer = self._chunk(n, ck * positions, d)
@@ -379,6 +441,75 @@ class LayerwiseRun:
                 self._add_per_sample(s, per, multi, rows, n)
                 del per  # before the next chunk's bmm allocates its own
             del cols
+
+    def _kernel(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, ck: int) -> int:
+        """How a convolution's ``per_sample`` rule forms ``G_i`` (no graph): ``0`` by columns
+        (im2col and ``bmm``), ``c > 0`` by grouped convolutions over ``c`` samples at a time
+        (:func:`_conv_weight_grads`). Neither wins everywhere (on 2 CPU cores the grouped
+        convolution took 0.35x the columns' time at 16 input channels per sample and 3-10x
+        past about 2,000 channels per call), so where a layer is large enough for it to
+        matter the candidates are timed once per layer and input shape and the fastest is
+        kept in a process-wide cache (bounded, holding the layer weakly, emptied by
+        :func:`~multiscale_jac.clear_plan_cache`); :attr:`LayerwisePlan.kernels` says which
+        ran. Columns below that size or with a graph."""
+        if self.create_graph or not isinstance(m, _CONV):
+            return 0
+        n, co = g.shape[:2]
+        if 2.0 * n * co * ck * g[0, 0].numel() < PROBE_MIN_FLOPS:
+            return 0
+        key = ("layerwise_kernel", tuple(a.shape), tuple(m.weight.shape), a.dtype, a.device)
+        chosen = KERNEL_CACHE.get(m, key)
+        if chosen is None:
+            most = min(self._chunk(n, co * ck, g), max(1, GROUPED_CHANNELS // max(co, a.shape[1])))
+            chosen = self._probe(s, m, a, g, sorted({0, most, max(1, most // 4)}))
+            KERNEL_CACHE.put(m, key, chosen)
+        self.plan.kernels[s.name] = f"conv, {chosen} samples a call" if chosen else "columns"
+        return chosen
+
+    def _probe(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernels: list[int]) -> int:
+        """Run each kernel in turn (a warm-up), then twice more those within twice the fastest
+        warm-up; the best of a kernel's two timed runs counts, and a grouped kernel is chosen
+        only 10% ahead of columns (timing noise never trades a sure kernel for a cliff). The
+        sums are left as they were (the chosen kernel runs after)."""
+        before = self._sums.pop(s.name, None)
+        first = self._timed(s, m, a, g, kernels)
+        best = min(first.values())
+        timed = [k for k in kernels if first[k] <= 2 * best]
+        runs = [self._timed(s, m, a, g, timed) for _ in range(2)]
+        times = {k: min(r[k] for r in runs) for k in timed}
+        times[0] = times.get(0, math.inf) * 0.9
+        COUNTS["probe"] += len(timed)
+        self._sums.pop(s.name, None)
+        if before is not None:
+            self._sums[s.name] = before
+        return min(times, key=times.__getitem__)
+
+    def _timed(
+        self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernels: list[int]
+    ) -> dict[int, float]:
+        times = {}
+        for kernel in kernels:
+            self._sums.pop(s.name, None)
+            try:
+                with stopwatch([a.device]) as elapsed:
+                    self._per_sample(s, m, a, g, kernel)
+            except RuntimeError:  # a backend without that grouped convolution: not a candidate
+                if not kernel:
+                    raise
+                elapsed = [math.inf]
+            times[kernel] = elapsed[0]
+        return times
+
+    def _per_sample(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernel: int) -> None:
+        """The ``per_sample`` rule of a layer called once: ``kernel`` as in :meth:`_kernel`."""
+        n = g.shape[0]
+        if kernel:  # grouped convolutions
+            for start in range(0, n, kernel):
+                rows = slice(start, min(n, start + kernel))
+                self._add_per_sample(s, _conv_weight_grads(m, a[rows], g[rows]), False)
+            return
+        d, u, groups = _columns(m, a, g, self._scratch)
+        self._by_columns(s, m, d, u, groups, False)
 
     def _costs(self, s: _Site, d: Tensor, ck: int, groups: int, valid: Tensor) -> dict[str, float]:
         """Flop-equivalents per sample over the run's objectives of ``gram`` and
@@ -450,22 +581,29 @@ class LayerwiseRun:
 
 
 class _UseWatch(TorchFunctionMode):
-    """Records parameters read by an op outside the layers that own them."""
+    """Records parameters read by an op outside the layers that own them, and the model's
+    inputs (``inputs``, by id) read by one."""
 
     def __init__(self, watched: dict[int, str]) -> None:
         super().__init__()
         self.watched = watched
         self.inside = 0
         self.misused: set[str] = set()
+        self.inputs: set[int] = set()
+        self.inputs_outside: set[int] = set()
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self.inside == 0 and self.watched:
+        if self.inside == 0 and (self.watched or self.inputs):
             for t in tree_leaves((args, kwargs)):
-                if isinstance(t, Tensor) and id(t) in self.watched:
+                if not isinstance(t, Tensor):
+                    continue
+                if id(t) in self.watched:
                     self.misused.add(self.watched[id(t)])
+                if id(t) in self.inputs:
+                    self.inputs_outside.add(id(t))
         return func(*args, **kwargs)
 
 
@@ -490,6 +628,7 @@ def batched_run(
     """
     lv = [t.detach().requires_grad_(t.is_floating_point()) for t in levels]
     run = LayerwiseRun(plan, temp_bytes=temp_bytes, create_graph=create_graph)
+    run.watch_inputs(lv)
     with torch.enable_grad(), run:
         out = fn.call_batch(lv)
     if not isinstance(out, Tensor):
@@ -615,6 +754,29 @@ def unfold_columns(
     if out is None:
         return view.reshape(n, c * kernel[0] * kernel[1], ho * wo)
     return out.copy_(view).view(n, c * kernel[0] * kernel[1], ho * wo)
+
+
+def _conv_weight_grads(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
+    """Per-sample weight gradients ``(N, *weight)`` of a convolution as one weight gradient of
+    a grouped convolution: the ``N`` samples stacked along channels, ``N * groups`` groups."""
+    n, w = a.shape[0], m.weight
+    dims = a.dim() - 2
+    padding = numeric_padding(m.padding, tuple(m.dilation), tuple(m.kernel_size))
+    shape = (n * w.shape[0], *w.shape[1:])  # only the weight's shape is read
+    _, grads, _ = torch.ops.aten.convolution_backward(
+        g.reshape(1, -1, *g.shape[2:]),
+        a.reshape(1, -1, *a.shape[2:]),
+        w.detach().new_empty(()).expand(shape),
+        None,
+        m.stride,
+        padding,
+        m.dilation,
+        False,
+        (0,) * dims,
+        n * m.groups,
+        (False, True, False),
+    )
+    return grads.view(n, *w.shape)
 
 
 def _accumulate_squares(acc: Tensor, per: Tensor, weight: float) -> None:

@@ -3,7 +3,9 @@ the vmap route, float64, 1e-10; plans, fallbacks and edge cases."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from test_fisher import as_model_input, batches, loop_fisher, make_targets, samp
 from torch import nn
 
 import multiscale_jac as mj
+from multiscale_jac import layerwise
 from multiscale_jac.fisher import diag_fisher
 from multiscale_jac.testing import images
 
@@ -341,3 +344,43 @@ def test_conv_configs_match_loop(cfg) -> None:
 
     res = run(None if cfg["budget"] is None else cfg["budget"] * smallest_budget(run))
     torch.testing.assert_close(res.flat, ref, atol=TOL, rtol=0)
+
+
+@settings(max_examples=examples(ci=20, dev=10), deadline=None)
+@given(conv_configs(), st.sampled_from(["probe", 1, 2, 3]))
+def test_conv_kernels_match_loop(cfg, kernel) -> None:
+    """Per-sample convolution gradients by grouped convolutions (``kernel`` samples a call)
+    equal the loop on every geometry; with ``"probe"`` every candidate runs and one sum is kept
+    (the size threshold set to 0 so that these small layers are timed)."""
+    torch.manual_seed(0)
+    model = ConvStack(cfg).to(DTYPE)
+    x = cfg["x"]
+    model(x)  # materialise the lazy layer
+    y = torch.randint(2, (x.shape[0],))
+    ref = _loop_on_tensor(model, x, y, mj.ParamSubset.all(model))
+    mj.clear_plan_cache()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(layerwise, "PROBE_MIN_FLOPS", 0.0))
+        if kernel != "probe":
+            forced = mock.patch.object(layerwise.LayerwiseRun, "_probe", return_value=kernel)
+            stack.enter_context(forced)
+        res = diag_fisher(model, [(x, y)], progress=False, method="layerwise")
+    torch.testing.assert_close(res.flat, ref, atol=TOL, rtol=0)
+    mj.clear_plan_cache()
+
+
+def test_conv_kernel_probed_once_per_shape() -> None:
+    """A convolution large enough is timed (columns against grouped convolutions) on the first
+    call; the second call with the same shapes reuses the choice: no probe."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16, 3))
+    data = [(torch.randn(6, 8, 4, 4), torch.randint(3, (6,)))]
+    mj.clear_plan_cache()
+    with mock.patch.object(layerwise, "PROBE_MIN_FLOPS", 0.0):
+        first = diag_fisher(model, data, progress=False, method="layerwise")
+        probed = mj.plan_cache_info().probed
+        second = diag_fisher(model, data, progress=False, method="layerwise")
+    assert probed >= 1  # timed (candidates within twice the fastest warm-up run twice)
+    assert mj.plan_cache_info().probed == probed
+    torch.testing.assert_close(first.flat, second.flat, rtol=1e-5, atol=0)
+    mj.clear_plan_cache()
