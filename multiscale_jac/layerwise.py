@@ -33,7 +33,7 @@ objective) and the ``gram`` matmul runs once.
 
 A convolution's ``per_sample`` gradients are formed either from columns (im2col, ``bmm``) or
 as the weight gradient of one grouped convolution over a chunk of samples; which is faster
-depends on the channels and the backend, so it is timed once per layer and input shape
+depends on the channels and the backend, so it is timed once per layer and size class
 (:meth:`LayerwiseRun._kernel`). The backward passes stop at the outputs of the layers that
 read a model input directly (unless something else reads it): the input's own gradient is
 never formed.
@@ -448,7 +448,7 @@ class LayerwiseRun:
         (:func:`_conv_weight_grads`). Neither wins everywhere (on 2 CPU cores the grouped
         convolution took 0.35x the columns' time at 16 input channels per sample and 3-10x
         past about 2,000 channels per call), so where a layer is large enough for it to
-        matter the candidates are timed once per layer and input shape and the fastest is
+        matter the candidates are timed once per layer and size class and the fastest is
         kept in a process-wide cache (bounded, holding the layer weakly, emptied by
         :func:`~multiscale_jac.clear_plan_cache`); :attr:`LayerwisePlan.kernels` says which
         ran. Columns below that size or with a graph."""
@@ -457,7 +457,10 @@ class LayerwiseRun:
         n, co = g.shape[:2]
         if 2.0 * n * co * ck * g[0, 0].numel() < PROBE_MIN_FLOPS:
             return 0
-        key = ("layerwise_kernel", tuple(a.shape), tuple(m.weight.shape), a.dtype, a.device)
+        # one decision per power-of-two class of samples and of input positions: ragged
+        # batches (a new map size per shape bucket) must not pay a probe per bucket
+        sizes = (n.bit_length(), a[0, 0].numel().bit_length())
+        key = ("layerwise_kernel", sizes, tuple(m.weight.shape), a.dtype, a.device)
         chosen = KERNEL_CACHE.get(m, key)
         if chosen is None:
             most = min(self._chunk(n, co * ck, g), max(1, GROUPED_CHANNELS // max(co, a.shape[1])))
