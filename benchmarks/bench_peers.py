@@ -1230,6 +1230,17 @@ def wants(args: argparse.Namespace, name: str) -> bool:
     return name == "train_step" or not args.methods or name in args.methods
 
 
+def _reset_forward_ad() -> None:
+    """Leave every forward-AD level a method left entered: a time limit's interrupt inside a
+    ``dual_level`` block (curvlinops' Jacobian-vector products) skips its exit, and every later
+    forward-mode call in the process failed ("Nested forward mode AD is not supported")."""
+    import torch.autograd.forward_ad as fwad
+
+    while fwad._current_level >= 0:
+        torch._C._exit_dual_level(level=fwad._current_level)
+        fwad._current_level -= 1
+
+
 def bench_method(
     cell: Cell, m: Method, args: argparse.Namespace, baseline: dict[str, Any]
 ) -> dict[str, Any]:
@@ -1252,6 +1263,7 @@ def bench_method(
                 with time_limit(limit):
                     rec["slice_seconds"], _ = timed_call(lambda: run(small), device)
             except TimeLimit:
+                _reset_forward_ad()
                 raise Skip(
                     f"not run: over {limit:.3g} s on {small.n} samples (> --method-limit on {batch.n})"
                 ) from None
@@ -1392,6 +1404,7 @@ def check_methods(
         except Skip as e:
             row["skipped"] = str(e)
         except TimeLimit as e:
+            _reset_forward_ad()
             row["skipped"] = f"not checked: {e} (--check-limit)"
         except Exception as e:
             row["error"] = error_text(e)
@@ -1497,31 +1510,48 @@ def grid(args: argparse.Namespace) -> list[tuple[str, str]]:
 #: method there and what would fix it, written after a measurement; it replaces the generic
 #: note that :func:`slow_note` derives from the cell's numbers
 CELL_NOTES: dict[str, str] = {
-    "fisher/resnet8": "the hand-written vmap(grad) and the library's fastest route are within "
-    "run-to-run noise here (about 5%); the layer-wise closed forms gain nothing over vmap on "
-    "ResNet-8 at N=128 on 2 CPU threads",
-    "fisher/gelu_cnn": "auto timed layer-wise against vmap and ran vmap, the same computation "
-    "as the hand-written vmap(grad) in chunks of 32; the difference is within run-to-run noise",
-    "fisher/gn_dw": "auto ran vmap (timed against layer-wise), the hand-written vmap(grad) does "
-    "the same work with less bookkeeping (targets checked, per-tensor sums, subset "
-    "selection); a lighter vmap path would close the gap",
-    "jacnorm/cnn3": "auto runs the library's vmap route, the hand-written vmap(grad) with a "
-    "double backward's computation; this cell's ordering is not stable: interleaved in one "
-    "process both take 0.72-0.73 s, and alone in a worker the hand-written one took 0.55-0.82 s "
-    "and the library's 0.61-0.78 s over four runs",
-    "jacnorm/cnn8": "auto runs the library's vmap route, the same reverse-over-reverse "
-    "computation as the hand-written vmap(grad) with a double backward; interleaved in one "
-    "process the two take 0.48 and 0.49 s, and a rerun of the cell alone gave 1.00",
-    "jacnorm/gelu_cnn": "as jacnorm/cnn8: the same computation; a rerun of the cell gave 1.00",
-    "jacnorm/gn_dw": "as jacnorm/cnn8: the same computation; within run-to-run noise (1.00-1.09 "
-    "over runs)",
-    "subset/det_head": "auto runs the fastest library route (forward mode, generic tangents, "
-    "within 8% of it); curvlinops' Jacobian-vector products are as fast as that route here "
-    "(0.039 s against 0.041-0.044 s), the earlier full run had the library ahead (0.97)",
-    "laplace/gn_dw": "structured and generic entries are within noise of each other on this "
-    "model: alone in one process, generic took 0.098 s and structured 0.108 s, the opposite "
-    "order to this run, and the timing on the first samples picked generic; the earlier full "
-    "run measured 0.97 against the best other method",
+    "jacobian/gn_dw": "auto runs its fastest route; interleaved in rounds the hand-written "
+    "vmap(jacrev) in chunks of 16 took 0.026 s against the library's 0.031 s, while measured "
+    "alone earlier in the same worker it took 0.034 s against 0.029 s: the two trade places "
+    "with the process's state; what would settle it: the samples per vectorised call timed "
+    "with the route (the library splits the batch by a 64 MiB working set, the hand-written "
+    "code takes 16 at once)",
+    "jacobian/transformer": "as jacobian/gn_dw: in rounds vmap(jacrev) took 0.027 s against "
+    "the library's 0.035 s, alone 0.054 s against 0.036 s (the fused attention kernel has no "
+    "batching rule and vmap runs it per sample either way)",
+    "ragged/tinyfpn": "auto runs its fastest route (within 3%); the per-sample jacrev loop is "
+    "as fast here (1.03), within the spread of the rounds",
+    "ragged/sharedfpn": "as ragged/tinyfpn (1.02): auto runs its fastest route, the loop is as "
+    "fast",
+    "subset/gelu_cnn": "auto chose structured entries on the first call's timing, generic ones "
+    "are 18% faster over the rounds (0.078 against 0.092 s); the loop of jacrev is 5% faster "
+    "than the library's fastest route here; what would fix it: timing the routes on more than "
+    "one call each",
+    "subset/det_head": "auto runs within 4% of its fastest route; curvlinops' batched "
+    "Jacobian-vector products are faster than every library route here (0.035 s against "
+    "0.042-0.044 s): a faster forward route is missing (one JVP pass over all 200 entries at "
+    "once instead of per tensor)",
+    "fisher/gelu_cnn": "auto timed layer-wise against vmap on chunks of 32 samples and chose "
+    "layer-wise, which then runs the batch of 128 at once and is slower there (in one process: "
+    "92 ms whole, 73 ms in chunks of 32, vmap 78 ms; on VGG-11 the whole batch is faster, 65 "
+    "against 84 ms); what would fix it: timing layer-wise at the chunk it will run at, or the "
+    "chunk as part of the choice",
+    "jacnorm/cnn3": "auto runs a vmap or layer-wise route chosen on single timed chunks; the "
+    "library's vmap route is the hand-written double backward's computation (interleaved in "
+    "one process both took 0.78 s); the routes lie within 15% of each other and the choice "
+    "on one chunk each still misses; what would fix it: timing on more chunks",
+    "jacnorm/cnn8": "as jacnorm/cnn3: auto's vmap route is the hand-written computation "
+    "(in rounds 0.56 s against 0.52 s; alone 0.52 s against 0.51 s)",
+    "jacnorm/gelu_cnn": "as jacnorm/cnn3: the library's vmap route takes the hand-written "
+    "time (0.252 against 0.248 s) and auto chose another chunk size on its timing",
+    "jacnorm/gn_dw": "as jacnorm/cnn3: the library's vmap route is within 5% of the "
+    "hand-written one; auto's choice on one timed chunk per route is within 8% of it",
+    "laplace/gelu_cnn": "auto chose generic entries on the first call's timing, structured "
+    "ones are 15% faster over the rounds; the loop of jacrev is 8% faster than that route; "
+    "what would fix it: timing the routes on more than one call each",
+    "laplace/gn_dw": "the hand-written vmap(jacrev) over the 100 columns took 0.050 s in the "
+    "rounds against 0.062 s for the library's fastest route (alone: 0.081 against 0.061 s); "
+    "the same trade of places with the process's state as jacobian/gn_dw",
 }
 
 
