@@ -1530,17 +1530,11 @@ def Laplace(  # laplace-torch's name
 ) -> SubnetLaplace:
     """laplace-torch's ``Laplace``: the approximation chosen by two strings.
 
-    ============================  ==========  ==============================================
-    ``subset_of_weights``         ``full``    ``diag``
-    ============================  ==========  ==============================================
-    ``subnetwork``                :class:`SubnetLaplace` over ``subnetwork_indices``
-                                              :class:`DiagLaplace` over them
-    ``last_layer``                :class:`SubnetLaplace` over the last layer
-                                              :class:`DiagLaplace` over it
-    ``all``                       :class:`SubnetLaplace` over every weight (``P x P``:
-                                  small models only)
-                                              :class:`DiagLaplace` over every weight
-    ============================  ==========  ==============================================
+    - ``subset_of_weights="subnetwork"``: :class:`SubnetLaplace` over ``subnetwork_indices``
+      (``hessian_structure="full"``), :class:`DiagLaplace` over them (``"diag"``);
+    - ``"last_layer"``: :class:`SubnetLaplace` over the last layer, :class:`DiagLaplace` over it;
+    - ``"all"``: :class:`SubnetLaplace` over every weight (``P x P``: small models only),
+      :class:`DiagLaplace` over every weight.
 
     Args:
         model: Any ``nn.Module`` at its MAP; never changed.
