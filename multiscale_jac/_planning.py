@@ -799,6 +799,6 @@ class PlanCache:
 
 #: the process-wide plan cache of the engine
 PLAN_CACHE = PlanCache()
-#: measured kernel choices per layer and input shape (the layer-wise rules' convolutions),
+#: measured kernel choices per layer and size class (the layer-wise rules' convolutions),
 #: apart so that a deep model's layers never push whole plans out
 KERNEL_CACHE = PlanCache(maxsize=1024)

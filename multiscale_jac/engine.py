@@ -108,8 +108,9 @@ def clear_plan_cache() -> None:
     tensors, chunks, measured sizes) for each model (held weakly: never kept alive by the
     cache) and call signature (the model's structure, the inputs' shapes, the subset, the
     options), at most ``maxsize`` of them, least recently used first out; a second call with
-    the same shapes pays no measuring pass, survey or probe. It is state of the kind torch keeps
-    for cuDNN autotuning; nothing is stored on the model.
+    the same shapes pays no measuring pass, survey or probe. The layer-wise rules' measured
+    convolution kernels (per layer and size class, the layer held weakly) go too. It is state
+    of the kind torch keeps for cuDNN autotuning; nothing is stored on the model.
     """
     PLAN_CACHE.clear()
     KERNEL_CACHE.clear()
@@ -359,14 +360,19 @@ class _EngineRun:
         share = max(len(pool) // len(trial) - 1, min(len(pool), MIN_PROBE_SAMPLES))
         times: dict[tuple[Strategy, Mode, Entries], float] = {}
         done: set[int] = set()
-        for key, plan in trial:
-            if self._time_route(key, plan, 1, bucket, pool, into, done) is None:
-                continue  # its warm-up failed
+
+        def call_size(plan: VectorPlan) -> int:
             # one vectorised call of the route (its samples per call), up to a share of the
             # bucket: per-sample times of one sample misjudge routes that vectorise better
             (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
-            k = min(share, max(c.samples for c in group.chunks))
-            elapsed = self._time_route(key, plan, k, bucket, pool, into, done, timed=True)
+            return min(share, max(c.samples for c in group.chunks))
+
+        for key, plan in trial:
+            if self._time_route(key, plan, 1, bucket, pool, into, done) is None:
+                continue  # its warm-up failed
+            elapsed = self._time_route(
+                key, plan, call_size(plan), bucket, pool, into, done, timed=True
+            )
             if elapsed is not None:
                 times[key] = elapsed
         if not times:  # every route failed on the data: the run meets the error again
@@ -374,8 +380,7 @@ class _EngineRun:
         fastest = min(times.values())
         for key, plan in trial:
             if key in times and fastest < times[key] <= 2 * fastest:
-                (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
-                k = min(share, max(c.samples for c in group.chunks))
+                k = call_size(plan)
                 again = self._time_route(key, plan, k, bucket, pool, into, done, timed=True)
                 times[key] = min(times[key], again or math.inf)
         best = min(times, key=times.__getitem__)

@@ -412,9 +412,12 @@ class _Job:
         chunk_size, budget, dtype = self._sizing
         if chunk_size is not None or budget is not None:
             return False
+        return 2 * chunk * self._row_grads_bytes(dtype) <= _VMAP_BYTES
+
+    def _row_grads_bytes(self, dtype: torch.dtype) -> int:
+        """One sample's per-sample gradients of every output row (``vmap``'s chunk unit)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        rows = max(self.outputs.values())
-        return 2 * chunk * rows * self.subset.numel * itemsize <= _VMAP_BYTES
+        return max(self.outputs.values()) * self.subset.numel * itemsize
 
     def chunk_for(self, method: JacNormMethod) -> int:
         """Samples per chunk of ``method`` (worked out once per method)."""
@@ -433,7 +436,7 @@ class _Job:
         if method is JacNormMethod.LAYERWISE:
             default = max(1, _LAYERWISE_BYTES // (4 * max(1, self.subset.numel)))
         else:  # per-sample gradients of every row under _VMAP_BYTES, at most _HVP_CHUNK
-            per_sample = rows * self.subset.numel * itemsize
+            per_sample = self._row_grads_bytes(dtype)
             default = min(_HVP_CHUNK, max(1, _VMAP_BYTES // max(1, per_sample)))
         if budget is None:
             return chunk_size or default
@@ -539,9 +542,9 @@ class _Job:
         routes within 15% of the fastest once more (the faster of a route's two times
         counts: one timed chunk each mis-ordered routes 8% apart). Their results go into
         ``total`` and their samples into ``done``. The fastest route over the bucket in whole
-        chunks is cached and runs the rest. Where the bucket has too few samples (``tune="measure"``), the late
-        routes of the first round run on samples already counted and their results are
-        dropped."""
+        chunks is cached and runs the rest. Where the bucket has too few samples
+        (``tune="measure"``), the late routes of the first round run on samples already
+        counted and their results are dropped."""
         routes, self.trial = self.trial or [], None
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
         pool = list(bucket.indices)

@@ -121,15 +121,11 @@ class LayerwisePlan:
         reasons: name -> why it takes ``vmap``.
         costs: name -> ``{"gram": ..., "per_sample": ...}`` flop-equivalents per sample (convs
             and Linear layers, once known).
-        kernels: name -> how a convolution's ``per_sample`` rule forms the gradients where
-            that was measured: ``"columns"`` (im2col and ``bmm``) or ``"conv, c samples a
-            call"`` (grouped convolutions' weight gradients).
     """
 
     rules: dict[str, str]
     reasons: dict[str, str]
     costs: dict[str, dict[str, float]] = field(default_factory=dict)
-    kernels: dict[str, str] = field(default_factory=dict)
     sites: dict[str, _Site] = field(default_factory=dict, repr=False)
 
     def require_all(self) -> None:
@@ -450,8 +446,8 @@ class LayerwiseRun:
         past about 2,000 channels per call), so where a layer is large enough for it to
         matter the candidates are timed once per layer and size class and the fastest is
         kept in a process-wide cache (bounded, holding the layer weakly, emptied by
-        :func:`~multiscale_jac.clear_plan_cache`); :attr:`LayerwisePlan.kernels` says which
-        ran. Columns below that size or with a graph."""
+        :func:`~multiscale_jac.clear_plan_cache`). Columns below that size or with a
+        graph."""
         if self.create_graph or not isinstance(m, _CONV):
             return 0
         n, co = g.shape[:2]
@@ -466,7 +462,6 @@ class LayerwiseRun:
             most = min(self._chunk(n, co * ck, g), max(1, GROUPED_CHANNELS // max(co, a.shape[1])))
             chosen = self._probe(s, m, a, g, sorted({0, most, max(1, most // 4)}))
             KERNEL_CACHE.put(m, key, chosen)
-        self.plan.kernels[s.name] = f"conv, {chosen} samples a call" if chosen else "columns"
         return chosen
 
     def _probe(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernels: list[int]) -> int:
