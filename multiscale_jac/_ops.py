@@ -278,6 +278,9 @@ class RuleMode(TorchFunctionMode):
     """
 
     rules: ClassVar[dict[Any, Callable[..., Any]]] = {}
+    #: ops whose rule runs even without a tracked tensor argument (a size read from a tracked
+    #: tensor's shape reaches them as plain ints)
+    untracked: ClassVar[frozenset[Any]] = frozenset()
     context: ClassVar[str]
     no_rule: ClassVar[str]
     root: ClassVar[str]
@@ -346,7 +349,9 @@ class RuleMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if not any(self.region(t) is not None for t in tensors(args, kwargs)):
+        if func not in self.untracked and not any(
+            self.region(t) is not None for t in tensors(args, kwargs)
+        ):
             return func(*args, **kwargs)
         rule = self.rules.get(func)
         if rule is not None:

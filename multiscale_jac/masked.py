@@ -162,6 +162,7 @@ class MaskedMode(RuleMode):
 
     context = "padded execution"
     no_rule = "no exact rule for this op on padded inputs"
+    untracked = frozenset({F.interpolate})
     root = "<model>"
 
     def __init__(self, sample_index: Tensor, model: nn.Module | None = None) -> None:
@@ -495,15 +496,20 @@ def _interpolate(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tens
     b = bind_op("interpolate", args, kwargs)
     x = b["input"]
     nsp = x.dim() - 2
+    if b["size"] is not None or b["scale_factor"] is None:
+        # also on an unpadded input: the size may be a padded map's shape (an FPN's top-down
+        # pathway resizes to the finer map's shape), the canvas and not each sample's own
+        raise mode.unsupported(
+            func,
+            "size= would give every sample the same (padded) target size, not its own; use "
+            "an integer scale_factor",
+        )
+    if mode.region(x) is None:  # a scale factor on an unpadded input: as it is
+        return func(*args, **kwargs)
     if b["mode"] not in ("nearest", "nearest-exact"):
         raise mode.unsupported(
             func,
             f"mode={b['mode']!r} reads across the border of the valid region; only nearest with an integer scale_factor is exact",
-        )
-    if b["size"] is not None or b["scale_factor"] is None:
-        raise mode.unsupported(
-            func,
-            "size= would give every sample the same (padded) target size, not its own; use an integer scale_factor",
         )
     scale = ntuple(b["scale_factor"], nsp)
     if any(float(s) != int(s) or int(s) < 1 for s in scale):

@@ -255,6 +255,38 @@ def test_unsupported_op_is_named_and_falls_back(fn, op, why) -> None:
     torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
 
 
+def test_interpolate_to_a_padded_shape_falls_back_when_its_input_is_unpadded() -> None:
+    """An FPN top-down step, ``fine + interpolate(coarse, size=fine.shape[-2:])``, where only
+    the fine level is ragged: the size is the fine level's canvas, not each sample's own, so
+    padded execution must refuse it (it ran and gave wrong outputs for the narrower samples)."""
+
+    class TopDown(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lateral = nn.Conv2d(3, 2, 1)
+
+        def forward(self, levels):
+            fine, coarse = levels
+            p = self.lateral(fine) + F.interpolate(coarse, size=fine.shape[-2:], mode="nearest")
+            return p.flatten(1)
+
+    torch.manual_seed(0)
+    model = TopDown().to(D).eval()
+    g = torch.Generator().manual_seed(0)
+    samples = [  # the coarse level is (2, 1, 2) in every sample: never padded
+        [torch.randn(3, 1, w, generator=g, dtype=D), torch.randn(2, 1, 2, generator=g, dtype=D)]
+        for w in (4, 4, 5)
+    ]
+    with pytest.raises(UnsupportedOpError, match="size=") as info:
+        mj.per_sample_jacobian(model, samples, strategy="padded", strict=True)
+    assert info.value.op == "F.interpolate"
+    ref = per_sample_jacobian_loop(model, samples)
+    with pytest.warns(mj.FallbackWarning, match="strategy 'padded' cannot run this model"):
+        res = mj.per_sample_jacobian(model, samples, strategy="padded")
+    assert res.strategy == "bucketed"
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+
+
 def test_binary_op_on_different_regions_is_unsupported() -> None:
     class TwoLevels(nn.Module):
         def forward(self, levels):
