@@ -73,6 +73,8 @@ _HVP_CHUNK = 16
 _VMAP_BYTES = 256 * 2**20
 #: ``auto`` also times the ``vmap`` route at half its chunk when the chunk is at least this
 _HALF_CHUNK_FROM = 8
+#: ``auto`` times the routes within this factor of the fastest a second time
+_RETIME = 1.75
 
 
 def jacobian_sq_norm(
@@ -371,7 +373,9 @@ class _Job:
         (:meth:`_try_routes`): the chunks are part of the job, so timing costs only the
         slower routes' extra time, not a separate probe. Candidates: every method that
         applies, and ``vmap`` also at half its default chunk (and at twice it, where the
-        samples and memory allow: :meth:`_doubles`)."""
+        samples and memory allow: :meth:`_doubles`). ``layerwise`` is timed (and, chosen,
+        runs) at no more than ``vmap``'s chunk, so that its large default chunk does not
+        leave the other routes without samples."""
         if self.requested is not JacNormMethod.AUTO:
             return
         cached = PLAN_CACHE.get(self.fn.model, self.key)
@@ -386,6 +390,8 @@ class _Job:
         for m in self.candidates():
             with contextlib.suppress(MemoryBudgetError):  # a method over budget: no candidate
                 chunk = self.chunk_for(m)
+                if m is JacNormMethod.LAYERWISE and self._sizing[0] is None:
+                    chunk = min(chunk, self.chunk_for(JacNormMethod.VMAP))
                 routes.append((m, chunk))
                 if m is JacNormMethod.VMAP and chunk >= _HALF_CHUNK_FROM:
                     routes.append((m, chunk // 2))
@@ -538,13 +544,15 @@ class _Job:
 
     def _try_routes(self, total: tuple[Tensor, dict[str, Tensor]], done: set[int]) -> None:
         """Run the first chunks of the largest bucket with each route of :attr:`trial` (after
-        one warm-up chunk with the estimate's), timing each; then, where samples are left, the
-        routes within 15% of the fastest once more (the faster of a route's two times
-        counts: one timed chunk each mis-ordered routes 8% apart). Their results go into
-        ``total`` and their samples into ``done``. The fastest route over the bucket in whole
-        chunks is cached and runs the rest. Where the bucket has too few samples
-        (``tune="measure"``), the late routes of the first round run on samples already
-        counted and their results are dropped."""
+        one warm-up chunk with the estimate's), timing each; then the routes within
+        :data:`_RETIME` of the fastest once more (a route's first chunk of a shape pays
+        one-off costs, up to 1.7x its later time on 2 CPU cores: primitives and buffers made
+        for the new shapes; and one timed chunk each mis-ordered routes 8% apart); the faster
+        of a route's two times counts. Their results go into ``total`` and their samples into
+        ``done``. The fastest route over the bucket in whole chunks is cached and runs the
+        rest. Where the bucket has too few samples left, a re-timed (or, under
+        ``tune="measure"``, a late first-round) route runs on samples already counted and its
+        result is dropped."""
         routes, self.trial = self.trial or [], None
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
         pool = list(bucket.indices)
@@ -553,10 +561,8 @@ class _Job:
         for route, timed in [(warm, False), *((r, True) for r in routes)]:
             pool = self._time_chunk(route, timed, bucket, pool, total, done, times)
         best = min(times.values(), default=math.inf)
-        close = [r for r, t in times.items() if t <= 1.15 * best]
-        if len(close) > 1 and len(pool) >= sum(c for _, c in close):
-            for route in close:
-                pool = self._time_chunk(route, True, bucket, pool, total, done, times)
+        for route in [r for r, t in times.items() if t <= _RETIME * best]:
+            pool = self._time_chunk(route, True, bucket, pool, total, done, times)
         if times:
             n = len(bucket.indices)  # a route's cost on the bucket: whole chunks, the last one's
             # fixed cost too (layer-wise in 9s took 15 chunks for 128 samples, 6% over 128/9)
@@ -566,7 +572,8 @@ class _Job:
             self.notes.append(
                 "tune: timed chunks of each route on the data: "
                 + ", ".join(f"{m.value}/{c} {t * 1e3:.1f} ms" for (m, c), t in times.items())
-                + f" per sample; chose {self.method.value!r} with {chunk} samples a chunk"
+                + f" per sample (the faster of two times within {_RETIME}x of the fastest); "
+                f"chose {self.method.value!r} with {chunk} samples a chunk"
             )
 
     def _time_chunk(

@@ -208,6 +208,40 @@ def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
     assert _counts()[2] == probed and mj.plan_cache_info().size == 0
 
 
+def test_jacobian_norm_default_chunks_time_every_route_twice(monkeypatch) -> None:
+    """With default chunks, ``layerwise`` (whose own default chunk would take most of the
+    samples) is timed at ``vmap``'s chunk, every route is timed, the routes near the fastest
+    a second time (``probe`` counts both), and the chunks stay counted exactly once."""
+    from multiscale_jac import jacnorm
+
+    jobs: list = []
+    init = jacnorm._Job.__init__
+
+    def keep(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        jobs.append(self)
+
+    monkeypatch.setattr(jacnorm._Job, "__init__", keep)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    model = model.to(DTYPE)
+    x = torch.randn(110, 4, dtype=DTYPE)
+    ref = mj.jacobian_sq_norm(model, x, method="hvp")
+    probed = _counts()[2]
+    got = mj.jacobian_sq_norm(model, x)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+    (note,) = [n for n in jobs[-1].notes if n.startswith("tune: timed chunks")]
+    timed = note.split(": ", 2)[2].split(" per sample")[0].split(", ")
+    assert [t.rsplit(" ", 2)[0] for t in timed] == [
+        "layerwise/16",
+        "vmap/16",
+        "vmap/8",
+        "hvp/16",
+        "vmap/32",
+    ], note
+    assert _counts()[2] >= probed + len(timed) + 1  # the fastest re-timed at least
+
+
 @pytest.mark.parametrize("case_id", ["fpn_scale_ragged", "seed_convblock_levels"])
 def test_auto_times_routes_on_the_run_itself(monkeypatch, case_id: str) -> None:
     """``tune="auto"``: the shortlisted routes run the first samples of the job, timed, and
