@@ -84,6 +84,8 @@ __all__ = ["DiagFisherResult", "diag_fisher"]
 _VMAP_CHUNK = 32
 #: ``method="auto"`` times layer-wise against ``vmap`` on batches of this many samples
 MIN_TUNE_SAMPLES = 16
+#: ``method="auto"``: the larger layer-wise chunk it times (and runs, when chosen)
+_LAYERWISE_CHUNK = 128
 #: the smallest per-layer temporaries a layer-wise run works with
 _MIN_TEMP_BYTES = 2**16
 
@@ -162,8 +164,8 @@ def diag_fisher(
         input_kind: How to read ``inputs`` where it is ambiguous (see
             :func:`~multiscale_jac.pack`).
         chunk_size: Samples per batched run (``layerwise``; default: a whole shape bucket, as a
-            training step would run it, or what ``memory_budget`` allows) or per vectorised call
-            (``vmap``; default 32).
+            training step would run it, or what ``memory_budget`` allows; ``auto`` times runs
+            of 32 and of up to 128 samples) or per vectorised call (``vmap``; default 32).
         memory_budget: Bytes of the call's working set, the accumulators included.
         randomness: ``error``, ``different`` or ``same`` for random ops such as dropout in
             train mode, as in ``torch.func.vmap``.
@@ -245,6 +247,8 @@ class _FisherRun:
         self.count = 0
         self.tuned = False
         self.key: Any = None  # the plan-cache key of the first batch (method="auto")
+        self.lw_chunk: int | None = None  # the layer-wise chunk ``auto`` chose
+        self.devices = [prep.device] if prep.device.type == "cuda" else []
 
     # ------------------------------------------------------------------ per batch
     def add(self, packed: PackedBatch, targets: Any) -> None:
@@ -257,6 +261,8 @@ class _FisherRun:
         self._recall(packed)
         per_sample = self._check_targets(fn, packed, per_sample)
         self.chunks = self._chunk_sizes(fn, packed)
+        if self.lw_chunk:
+            self.chunks = (self.lw_chunk, self.chunks[1])
         rest = self._tune(fn, packed, per_sample)
         if rest is None:
             self._add_terms(fn, packed, per_sample)
@@ -284,51 +290,96 @@ class _FisherRun:
         cached = PLAN_CACHE.get(self.prep.model, self.key)
         if cached is None:
             return
-        method, shapes = cached
+        method, self.lw_chunk, shapes = cached
         self.tuned = True
         self.shapes.update(shapes)
         self.separable_checked = method is FisherMethod.LAYERWISE  # it ran layer-wise then
         self.plan = self.plan if method is FisherMethod.LAYERWISE else None
-        self.notes.append(f"cached choice: {method.value!r} (the same shapes ran before)")
+        chunk = f" with {self.lw_chunk} samples a chunk" if self.lw_chunk else ""
+        self.notes.append(f"cached choice: {method.value!r}{chunk} (the same shapes ran before)")
 
     def _tune(
         self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]
     ) -> list[int] | None:
-        """``method="auto"`` with a layer-wise plan, on the first batch: the cached choice for
-        these shapes, else layer-wise and ``vmap`` each run a warm-up chunk and a timed chunk
-        of the batch's largest bucket (their sums count), and the faster is cached and runs
-        the rest of the data. Returns the samples still to run (``None``: none ran)."""
+        """``method="auto"`` with a layer-wise plan, on the first batch (without a cached
+        choice): the batch runs layer-wise (its sums count), then each candidate route runs
+        the largest bucket's first samples at the chunk it would run at, once to warm up and
+        timed after (a route's first run of a shape paid 3-5x its later time), the routes
+        within 15% of the fastest timed once more; those results are dropped (random state
+        and loss tallies untouched). The fastest route over the bucket in whole chunks is
+        cached with its chunk. Candidates: layer-wise in chunks of :data:`_VMAP_CHUNK` and of
+        up to :data:`_LAYERWISE_CHUNK` samples (or the chunk asked for), and ``vmap``.
+        Returns the samples still to run (``None``: none ran)."""
         if not self._choosing():
             return None
         self.tuned = True
-        bucket = max(packed.buckets(), key=lambda b: len(b.indices))
-        k = min(self.chunks[1], len(bucket.indices) // 4)
-        if len(packed) < MIN_TUNE_SAMPLES or k < 1:
+        if len(packed) < MIN_TUNE_SAMPLES:
             return None
-        plan, times = self.plan, {}
-        for n, method in enumerate([FisherMethod.LAYERWISE, FisherMethod.VMAP] * 2):
-            idx = bucket.indices[n * k : (n + 1) * k]
-            sub = packed.select(idx)
-            self.plan = plan if method is FisherMethod.LAYERWISE else None
-            COUNTS["probe"] += n >= 2
-            with stopwatch([self.prep.device]) as elapsed:
-                self._add_terms(
-                    self.prep.function(sub, output_fn=fn.output_fn), sub, [targets[i] for i in idx]
-                )
-            if n >= 2:  # the first two were warm-ups
-                times[method] = elapsed[0] / len(idx)
-            if method is FisherMethod.LAYERWISE and self.plan is None:  # it fell back
-                plan, times[method] = None, float("inf")
-        best = min(times, key=times.__getitem__)
-        self.plan = plan if best is FisherMethod.LAYERWISE else None
-        PLAN_CACHE.put(self.prep.model, self.key, (best, dict(self.shapes)))
+        bucket = max(packed.buckets(), key=lambda b: len(b.indices))
+        n = len(bucket.indices)
+        plan, (asked, vmap_chunk) = self.plan, self.chunks
+        sizes = [asked] if asked else [min(n, _VMAP_CHUNK), min(n, _LAYERWISE_CHUNK)]
+        self.chunks = (sizes[-1], vmap_chunk)
+        self._add_terms(fn, packed, targets)  # the batch, counted; warms the last size
+        if self.plan is None:  # layer-wise fell back: vmap
+            PLAN_CACHE.put(self.prep.model, self.key, (FisherMethod.VMAP, None, dict(self.shapes)))
+            return []
+        routes = [(FisherMethod.LAYERWISE, c) for c in dict.fromkeys(sizes)]
+        routes.append((FisherMethod.VMAP, min(n, vmap_chunk)))
+        times: dict[tuple[FisherMethod, int], float] = {}
+        for r in routes[:-2] + routes[-1:]:  # warm-ups (the last layer-wise size just ran)
+            self._dropped_run(packed, bucket, r, fn, targets, plan)
+        for r in routes:
+            times[r] = self._dropped_run(packed, bucket, r, fn, targets, plan)
+        best = min(times.values())
+        for r in [r for r, t in times.items() if t <= 1.15 * best]:
+            times[r] = min(times[r], self._dropped_run(packed, bucket, r, fn, targets, plan))
+        method, chunk = min(times, key=lambda r: times[r] * -(-n // r[1]) * r[1])
+        self.plan = plan if method is FisherMethod.LAYERWISE else None
+        self.lw_chunk = chunk if method is FisherMethod.LAYERWISE and not asked else None
+        PLAN_CACHE.put(self.prep.model, self.key, (method, self.lw_chunk, dict(self.shapes)))
         self.notes.append(
             "tune: timed on the data: "
-            + ", ".join(f"{m.value} {t * 1e3:.2f} ms" for m, t in times.items())
-            + f" per sample; chose {best.value!r}"
+            + ", ".join(f"{m.value}/{c} {t * 1e3:.2f} ms" for (m, c), t in times.items())
+            + f" per sample; chose {method.value!r} with {chunk} samples a chunk"
         )
-        done = set(bucket.indices[: 4 * k])
-        return [i for i in range(len(packed)) if i not in done]
+        return []
+
+    def _dropped_run(
+        self,
+        packed: PackedBatch,
+        bucket: Any,
+        route: tuple[FisherMethod, int],
+        fn: PerSampleFunction,
+        targets: list[Tensor],
+        plan: LayerwisePlan | None,
+    ) -> float:
+        """Seconds per sample of ``route`` on the first samples of ``bucket`` (one chunk of
+        the route's size), its result dropped: the random state, the generator and the loss
+        tally are as before."""
+        method, chunk = route
+        idx = bucket.indices[:chunk]
+        sub = packed.select(idx)
+        saved = (self.plan, self.chunks, self.count)
+        self.plan = plan if method is FisherMethod.LAYERWISE else None
+        self.chunks = (chunk, chunk) if method is FisherMethod.LAYERWISE else (None, chunk)
+        generator = self.opts.generator
+        state = None if generator is None else generator.get_state()
+        tally = TALLY.set(None)
+        COUNTS["probe"] += 1
+        try:
+            with torch.random.fork_rng(devices=self.devices), stopwatch(self.devices) as elapsed:
+                self._terms(
+                    self.prep.function(sub, output_fn=fn.output_fn), sub, [targets[i] for i in idx]
+                )
+        except NotLayerwiseError:  # not a candidate after all
+            return float("inf")
+        finally:
+            TALLY.reset(tally)
+            if generator is not None:
+                generator.set_state(state)
+            self.plan, self.chunks, self.count = saved
+        return elapsed[0] / len(idx)
 
     def _add_terms(
         self, fn: PerSampleFunction, packed: PackedBatch, per_sample: list[Tensor]

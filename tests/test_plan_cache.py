@@ -270,9 +270,9 @@ def test_auto_times_routes_on_the_run_itself(monkeypatch, case_id: str) -> None:
 
 
 def test_diag_fisher_times_layerwise_against_vmap_on_the_data(monkeypatch) -> None:
-    """``diag_fisher(method="auto")`` times its two methods on the first chunks of the data
-    (their sums count: the result equals a forced method's), caches the faster, and the second
-    call with the same shapes times nothing."""
+    """``diag_fisher(method="auto")`` runs the first batch layer-wise, times layer-wise at two
+    chunk sizes and ``vmap`` on its samples (those results dropped: the result equals a forced
+    method's), caches the fastest, and the second call with the same shapes times nothing."""
     from multiscale_jac import fisher
 
     monkeypatch.setattr(fisher, "MIN_TUNE_SAMPLES", 16)
@@ -283,17 +283,81 @@ def test_diag_fisher_times_layerwise_against_vmap_on_the_data(monkeypatch) -> No
     g = torch.Generator().manual_seed(1)
     data = [
         (
-            torch.randn(20, 2, 4, 4, generator=g, dtype=DTYPE),
-            torch.randint(0, 3, (20,), generator=g),
+            torch.randn(40, 2, 4, 4, generator=g, dtype=DTYPE),
+            torch.randint(0, 3, (40,), generator=g),
         )
     ]
     ref = mj.diag_fisher(model, data, method="layerwise")
     probed = _counts()[2]
     res = mj.diag_fisher(model, data)
-    assert _counts()[2] == probed + 2
-    assert any(n.startswith("tune: timed on the data") for n in res.notes), res.notes
+    assert _counts()[2] >= probed + 5  # warm-ups and timed runs of layerwise/32 and vmap/32
+    probed = _counts()[2]
+    (note,) = [n for n in res.notes if n.startswith("tune: timed on the data")]
+    assert "layerwise/32 " in note and "layerwise/40 " in note and "vmap/32 " in note, note
     torch.testing.assert_close(res.flat, ref.flat, atol=1e-12, rtol=0)
     again = mj.diag_fisher(model, data)
-    assert _counts()[2] == probed + 2
+    assert _counts()[2] == probed
     assert any(n.startswith("cached choice") for n in again.notes), again.notes
     torch.testing.assert_close(again.flat, ref.flat, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("fastest, sizes", [(0, [32, 8]), (1, [40]), (2, [])])
+def test_diag_fisher_runs_the_chunk_it_chose(monkeypatch, fastest: int, sizes: list) -> None:
+    """The route and layer-wise chunk ``auto`` found fastest are cached and run: layer-wise in
+    chunks of 32 or of the whole bucket (40), or ``vmap`` (no layer-wise run)."""
+    from multiscale_jac import fisher
+
+    monkeypatch.setattr(fisher, "MIN_TUNE_SAMPLES", 16)
+    order = [("layerwise", 32), ("layerwise", 40), ("vmap", 32)]
+
+    def timed(self, packed, bucket, route, *rest) -> float:  # the fastest by fiat
+        return 1.0 if order.index((route[0].value, route[1])) == fastest else 2.0
+
+    monkeypatch.setattr(fisher._FisherRun, "_dropped_run", timed)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 4))
+    data = [(torch.randn(40, 5).to(DTYPE), torch.randint(0, 4, (40,)))]
+    model = model.to(DTYPE)
+    ref = mj.diag_fisher(model, data, method="layerwise")
+    first = mj.diag_fisher(model, data)
+    method, chunk = order[fastest]
+    assert first.notes[-1].endswith(f"chose {method!r} with {chunk} samples a chunk"), first.notes
+    seen: list[int] = []
+    run = fisher._FisherRun._layerwise_chunk
+
+    def count(self, fn, levels, y, noise):
+        seen.append(len(y))
+        return run(self, fn, levels, y, noise)
+
+    monkeypatch.setattr(fisher._FisherRun, "_layerwise_chunk", count)
+    again = mj.diag_fisher(model, data)
+    assert seen == sizes
+    with_chunk = f" with {chunk} samples a chunk" if method == "layerwise" else ""
+    assert again.notes == (f"cached choice: {method!r}{with_chunk} (the same shapes ran before)",)
+    for res in (first, again):
+        torch.testing.assert_close(res.flat, ref.flat, atol=1e-12, rtol=0)
+
+
+def test_diag_fisher_tune_leaves_the_random_state(monkeypatch) -> None:
+    """The timed runs of ``auto`` are dropped without drawing from the generator or the
+    global random state: ``kind="mc"`` draws the forced method's labels for the next batch."""
+    from multiscale_jac import fisher
+
+    monkeypatch.setattr(fisher, "MIN_TUNE_SAMPLES", 16)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 4))
+    model = model.to(DTYPE)
+    x = torch.randn(36, 5, dtype=DTYPE)
+    data = [(x, torch.zeros(36, dtype=torch.long)), (x[:5] + 1, torch.zeros(5, dtype=torch.long))]
+
+    def mc(**kw) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(3)
+        g = torch.Generator().manual_seed(7)
+        res = mj.diag_fisher(model, data, kind="mc", mc_samples=2, generator=g, **kw)
+        return res.flat, torch.rand(3)  # the global state after the call
+
+    (ref, after_ref), probed = mc(method="layerwise"), _counts()[2]
+    got, after = mc()
+    assert _counts()[2] > probed  # tuned
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(after, after_ref, atol=0, rtol=0)
