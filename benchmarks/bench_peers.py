@@ -1736,6 +1736,14 @@ def main(args: argparse.Namespace) -> int:
         write_json(out_dir / f"{stem}.json", results)
     env["load_average_at_end"] = load_average()
     results["total_seconds"] = round(time.time() - start, 1)
+    return write_report(results, out_dir, stem)
+
+
+def write_report(results: dict[str, Any], out_dir: Path, stem: str) -> int:
+    """The results JSON, the markdown tables and the plot (cell notes as of now)."""
+    for c in results["cells"]:
+        if "methods" in c:
+            c["note"] = slow_note(c)
     results["report_markdown"] = summary_table(results)  # the driver's report shows it
     path = write_json(out_dir / f"{stem}.json", results)
     text = render_tables(results)
@@ -1744,6 +1752,14 @@ def main(args: argparse.Namespace) -> int:
     png = plot(results, out_dir / f"{stem}.png")
     log(f"wrote {path}, {out_dir / (stem + '.md')}" + (f", {png}" if png else ""))
     return 0
+
+
+def render_main(args: argparse.Namespace) -> int:
+    """``--render JSON``: the report again from a results file, with the current cell notes
+    (the timings are not rerun)."""
+    results = json.loads(Path(args.render).read_text())
+    out_dir, stem = (Path(args.out), args.name) if args.out else (Path(args.render).parent, None)
+    return write_report(results, out_dir, stem or Path(args.render).stem)
 
 
 # ---------------------------------------------------------------------- tables and plot
@@ -1954,6 +1970,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--quick", action="store_true", help="small grid and batches, short timing")
     add("--check", action="store_true", help="float64 agreement of every method; exit 1 on failure")
     add("--dry", action="store_true", help="list the cells and methods; run nothing")
+    add("--render", metavar="JSON", help="rebuild the tables, notes and plot from a results file")
     add("--workloads", nargs="*", choices=WORKLOADS, help="default: all")
     add("--models", nargs="*", choices=sorted(SPECS), help="only these models (of the full grid)")
     add(
@@ -2012,4 +2029,6 @@ if __name__ == "__main__":
         sys.exit(guarded(cell_worker, args))
     if args.worker_mem:
         sys.exit(guarded(memory_worker, args))
+    if args.render:
+        sys.exit(render_main(args))
     sys.exit(dry_main(args) if args.dry else check_main(args) if args.check else main(args))

@@ -75,6 +75,8 @@ _VMAP_BYTES = 256 * 2**20
 _HALF_CHUNK_FROM = 8
 #: ``auto`` times the routes within this factor of the fastest a second time
 _RETIME = 1.75
+#: ``auto``: routes timed within this factor of the fastest count as tied
+_TIE = 1.05
 
 
 def jacobian_sq_norm(
@@ -549,8 +551,8 @@ class _Job:
         one-off costs, up to 1.7x its later time on 2 CPU cores: primitives and buffers made
         for the new shapes; and one timed chunk each mis-ordered routes 8% apart); the faster
         of a route's two times counts. Their results go into ``total`` and their samples into
-        ``done``. The fastest route over the bucket in whole chunks is cached and runs the
-        rest. Where the bucket has too few samples left, a re-timed (or, under
+        ``done``. The fastest route over the bucket in whole chunks (of those within
+        :data:`_TIE` of it, the one with the smallest chunk) is cached and runs the rest. Where the bucket has too few samples left, a re-timed (or, under
         ``tune="measure"``, a late first-round) route runs on samples already counted and its
         result is dropped."""
         routes, self.trial = self.trial or [], None
@@ -566,7 +568,11 @@ class _Job:
         if times:
             n = len(bucket.indices)  # a route's cost on the bucket: whole chunks, the last one's
             # fixed cost too (layer-wise in 9s took 15 chunks for 128 samples, 6% over 128/9)
-            self.method, chunk = min(times, key=lambda r: times[r] * -(-n // r[1]) * r[1])
+            cost = {r: t * -(-n // r[1]) * r[1] for r, t in times.items()}
+            # routes the timing cannot tell apart: the one with the smallest chunk (its working
+            # set; vmap/32 tied with layer-wise/7 on the first call, then ran 1.4x slower)
+            tied = [r for r, c in cost.items() if c <= _TIE * min(cost.values())]
+            self.method, chunk = min(tied, key=lambda r: (r[1], cost[r]))
             self._chunk_of[self.method] = chunk
             PLAN_CACHE.put(self.fn.model, self.key, (self.method, chunk))
             self.notes.append(

@@ -361,3 +361,42 @@ def test_diag_fisher_tune_leaves_the_random_state(monkeypatch) -> None:
     assert _counts()[2] > probed  # tuned
     torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
     torch.testing.assert_close(after, after_ref, atol=0, rtol=0)
+
+
+def test_jacobian_norm_ties_go_to_the_smallest_chunk(monkeypatch) -> None:
+    """Routes the timing cannot tell apart (here: every chunk takes the same time per sample)
+    go to the one with the smallest chunk, the smallest working set."""
+    import contextlib
+
+    from multiscale_jac import jacnorm
+
+    @contextlib.contextmanager
+    def same_rate(devices=()):
+        elapsed: list[float] = []
+        yield elapsed
+        elapsed.append(1e-3 * len(seen[-1]))
+
+    seen: list[list[int]] = []
+    route = jacnorm._Job._route
+
+    def spy(self, method):
+        run = route(self, method)
+
+        def call(with_grad, chunks):
+            seen.append(chunks[0][1])
+            return run(with_grad, chunks)
+
+        return call
+
+    monkeypatch.setattr(jacnorm, "stopwatch", same_rate)
+    monkeypatch.setattr(jacnorm._Job, "_route", spy)
+    jobs: list = []
+    init = jacnorm._Job.__init__
+    monkeypatch.setattr(
+        jacnorm._Job, "__init__", lambda self, *a, **k: (init(self, *a, **k), jobs.append(self))[0]
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    x = torch.randn(110, 4, dtype=DTYPE)
+    mj.jacobian_sq_norm(model.to(DTYPE), x).backward()
+    assert jobs[-1].notes[-1].endswith("chose 'vmap' with 8 samples a chunk"), jobs[-1].notes
