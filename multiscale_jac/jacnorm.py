@@ -552,7 +552,8 @@ class _Job:
         for the new shapes; and one timed chunk each mis-ordered routes 8% apart); the faster
         of a route's two times counts. Their results go into ``total`` and their samples into
         ``done``. The fastest route over the bucket in whole chunks (of those within
-        :data:`_TIE` of it, the one with the smallest chunk) is cached and runs the rest. Where the bucket has too few samples left, a re-timed (or, under
+        :data:`_TIE` of it, the one with the smallest chunk) is cached and runs the rest.
+        Where the bucket has too few samples left, a re-timed (or, under
         ``tune="measure"``, a late first-round) route runs on samples already counted and its
         result is dropped."""
         routes, self.trial = self.trial or [], None

@@ -230,6 +230,11 @@ class LayerwiseRun:
                 self._by_module.setdefault(id(m), []).append(s)
                 self._modules[id(m)] = m
         self._handles: list[Any] = []
+        # the gradient hooks on the layers' outputs: removed after the backward passes (a
+        # hook kept this run alive from the autograd graph, beyond the reach of the garbage
+        # collector: under create_graph each call leaked its tensors, and the caller's second
+        # backward through that graph ran the hooks' products again for nothing)
+        self._grad_hooks: list[Any] = []
         self._watch = _UseWatch({id(s.modules[0]._parameters[s.role]): s.name for s in self.sites})
         # outputs of the layers that read a model input directly, per input: the backward
         # stops there (no gradient of the input itself) unless something else reads it
@@ -310,7 +315,9 @@ class LayerwiseRun:
         sites = self._by_module[id(module)]
         for s in sites:
             s.calls.append(call)
-        output.register_hook(lambda g, call=call, sites=sites: self._on_grad(call, sites, g))
+        self._grad_hooks.append(
+            output.register_hook(lambda g, call=call, sites=sites: self._on_grad(call, sites, g))
+        )
 
     # backward
     def backward(
@@ -335,6 +342,15 @@ class LayerwiseRun:
             raise NotLayerwiseError("no input of the model is a floating-point tensor")
         anchors, self._entries = self._stops(anchors), {}
         self._last = len(objectives) - 1
+        try:
+            self._backward(objectives, anchors)
+        finally:
+            for h in self._grad_hooks:
+                h.remove()
+            self._grad_hooks.clear()
+        return self._sums
+
+    def _backward(self, objectives: Sequence[tuple[Tensor, float]], anchors: list[Tensor]) -> None:
         for k, (scalar, weight) in enumerate(objectives):
             self._objective, self._weight = k, weight
             torch.autograd.grad(
@@ -350,7 +366,6 @@ class LayerwiseRun:
                         f"parameter {s.name!r}: a call's output gradient did not arrive (its "
                         "output does not reach the model's inputs in the graph)"
                     )
-        return self._sums
 
     def _stops(self, anchors: list[Tensor]) -> list[Tensor]:
         """Where the backward passes stop: an input read only by layers is replaced by those

@@ -316,3 +316,31 @@ def test_normalisation_and_attention_gradients_match_the_loop(which, method, dty
     tol = dict(atol=1e-10, rtol=0) if dtype is DTYPE else dict(atol=1e-4, rtol=1e-3)
     for n in ref:
         torch.testing.assert_close(got[n].to(DTYPE), ref[n], **tol, msg=n)
+
+
+def test_layerwise_runs_are_freed_after_the_call(monkeypatch) -> None:
+    """The layer-wise route's runs (their per-sample products and the model's tensors) are
+    freed once the call and its backward are done: the gradient hooks on the layers' outputs
+    are removed, so no reference cycle through the autograd graph keeps them (each call
+    leaked about a parameter copy per chunk)."""
+    import gc
+    import weakref
+
+    from multiscale_jac import layerwise
+
+    runs: list[weakref.ref] = []
+    init = layerwise.LayerwiseRun.__init__
+
+    def keep(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        runs.append(weakref.ref(self))
+
+    monkeypatch.setattr(layerwise.LayerwiseRun, "__init__", keep)
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 2))
+    x = torch.randn(5, 2, 4, 4, dtype=torch.float64)
+    model = model.to(torch.float64)
+    jacobian_sq_norm(model, x, method="layerwise", chunk_size=2).backward()
+    gc.collect()
+    assert len(runs) == 3 and all(r() is None for r in runs)
