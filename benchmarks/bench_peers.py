@@ -1536,48 +1536,28 @@ def grid(args: argparse.Namespace) -> list[tuple[str, str]]:
 #: method there and what would fix it, written after a measurement; it replaces the generic
 #: note that :func:`slow_note` derives from the cell's numbers
 CELL_NOTES: dict[str, str] = {
-    "jacobian/gn_dw": "auto runs its fastest route; interleaved in rounds the hand-written "
-    "vmap(jacrev) in chunks of 16 took 0.026 s against the library's 0.031 s, while measured "
-    "alone earlier in the same worker it took 0.034 s against 0.029 s: the two trade places "
-    "with the process's state; what would settle it: the samples per vectorised call timed "
-    "with the route (the library splits the batch by a 64 MiB working set, the hand-written "
-    "code takes 16 at once)",
-    "jacobian/transformer": "as jacobian/gn_dw: in rounds vmap(jacrev) took 0.027 s against "
-    "the library's 0.035 s, alone 0.054 s against 0.036 s (the fused attention kernel has no "
+    "jacobian/gn_dw": "auto runs its fastest route (0.99x it); interleaved in rounds the "
+    "hand-written vmap(jacrev) in chunks of 16 took 0.0235 s against the library's 0.025 s, "
+    "while measured alone earlier in the same worker it took 0.039 s against 0.025 s: the two "
+    "trade places with the process's state; what would settle it: the samples per "
+    "vectorised call timed with the route (the library splits the batch by a 64 MiB working "
+    "set, the hand-written code takes 16 at once)",
+    "jacobian/transformer": "as jacobian/gn_dw: in rounds vmap(jacrev) took 0.021 s against "
+    "the library's 0.025 s, alone 0.042 s against 0.025 s (the fused attention kernel has no "
     "batching rule and vmap runs it per sample either way)",
-    "ragged/tinyfpn": "auto runs its fastest route (within 3%); the per-sample jacrev loop is "
-    "as fast here (1.03), within the spread of the rounds",
-    "ragged/sharedfpn": "as ragged/tinyfpn (1.02): auto runs its fastest route, the loop is as "
-    "fast",
-    "subset/gelu_cnn": "auto chose structured entries on the first call's timing, generic ones "
-    "are 18% faster over the rounds (0.078 against 0.092 s); the loop of jacrev is 5% faster "
-    "than the library's fastest route here; what would fix it: timing the routes on more than "
-    "one call each",
-    "subset/det_head": "auto runs within 4% of its fastest route; curvlinops' batched "
-    "Jacobian-vector products are faster than every library route here (0.035 s against "
-    "0.042-0.044 s): a faster forward route is missing (one JVP pass over all 200 entries at "
-    "once instead of per tensor)",
-    "fisher/gelu_cnn": "auto timed layer-wise against vmap on chunks of 32 samples and chose "
-    "layer-wise, which then runs the batch of 128 at once and is slower there (in one process: "
-    "92 ms whole, 73 ms in chunks of 32, vmap 78 ms; on VGG-11 the whole batch is faster, 65 "
-    "against 84 ms); what would fix it: timing layer-wise at the chunk it will run at, or the "
-    "chunk as part of the choice",
-    "jacnorm/cnn3": "auto runs a vmap or layer-wise route chosen on single timed chunks; the "
-    "library's vmap route is the hand-written double backward's computation (interleaved in "
-    "one process both took 0.78 s); the routes lie within 15% of each other and the choice "
-    "on one chunk each still misses; what would fix it: timing on more chunks",
-    "jacnorm/cnn8": "as jacnorm/cnn3: auto's vmap route is the hand-written computation "
-    "(in rounds 0.56 s against 0.52 s; alone 0.52 s against 0.51 s)",
-    "jacnorm/gelu_cnn": "as jacnorm/cnn3: the library's vmap route takes the hand-written "
-    "time (0.252 against 0.248 s) and auto chose another chunk size on its timing",
-    "jacnorm/gn_dw": "as jacnorm/cnn3: the library's vmap route is within 5% of the "
-    "hand-written one; auto's choice on one timed chunk per route is within 8% of it",
-    "laplace/gelu_cnn": "auto chose generic entries on the first call's timing, structured "
-    "ones are 15% faster over the rounds; the loop of jacrev is 8% faster than that route; "
-    "what would fix it: timing the routes on more than one call each",
-    "laplace/gn_dw": "the hand-written vmap(jacrev) over the 100 columns took 0.050 s in the "
-    "rounds against 0.062 s for the library's fastest route (alone: 0.081 against 0.061 s); "
-    "the same trade of places with the process's state as jacobian/gn_dw",
+    "ragged/tinyfpn": "auto runs its fastest route (within 2%); the per-sample jacrev loop is "
+    "as fast here (1.01), within the spread of the rounds",
+    "subset/gelu_cnn": "auto chose vmap/rev on the first call's timing (3.1 against 3.5 ms "
+    "per sample for generic entries); over the rounds the padded strategy's reverse route "
+    "was the fastest (0.054 against 0.067-0.077 s for the vmap and bucketed ones), and "
+    "auto never times it on a batch of one shape (the padded strategy cannot gain there): "
+    "what would fix it: the samples per vectorised call as part of the timed route (the "
+    "padded plan takes other call sizes), or the padded route among the candidates",
+    "laplace/gn_dw": "auto's five rounds spread from 0.054 to 0.079 s (the structured route's "
+    "0.054 s among them, its median 0.0725 s) against 0.061-0.075 s for the hand-written "
+    "vmap(jacrev) over the 100 columns; Laplace keeps no notes of its route choice, so "
+    "which entries ran is not recorded; what would fix it: timing the entries routes on "
+    "more than one call each",
 }
 
 
