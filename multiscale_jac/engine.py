@@ -382,7 +382,7 @@ class _EngineRun:
             if key in times and fastest < times[key] <= 2 * fastest:
                 k = call_size(plan)
                 again = self._time_route(key, plan, k, bucket, pool, into, done, timed=True)
-                times[key] = min(times[key], again or math.inf)
+                times[key] = min(times[key], math.inf if again is None else again)
         best = min(times, key=times.__getitem__)
         self.notes.append(
             "tune: timed on the run's first samples (vectorised calls): "

@@ -263,13 +263,8 @@ class _FisherRun:
         self.chunks = self._chunk_sizes(fn, packed)
         if self.lw_chunk:
             self.chunks = (self.lw_chunk, self.chunks[1])
-        rest = self._tune(fn, packed, per_sample)
-        if rest is None:
+        if not self._tune(fn, packed, per_sample):
             self._add_terms(fn, packed, per_sample)
-        elif rest:  # the first samples ran, timed; the rest with the faster method
-            sub = packed.select(rest)
-            sub_fn = self.prep.function(sub, output_fn=fn.output_fn)
-            self._add_terms(sub_fn, sub, [per_sample[i] for i in rest])
 
     def _choosing(self) -> bool:
         """``method="auto"`` with a layer-wise plan whose choice against ``vmap`` is open."""
@@ -298,9 +293,7 @@ class _FisherRun:
         chunk = f" with {self.lw_chunk} samples a chunk" if self.lw_chunk else ""
         self.notes.append(f"cached choice: {method.value!r}{chunk} (the same shapes ran before)")
 
-    def _tune(
-        self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]
-    ) -> list[int] | None:
+    def _tune(self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]) -> bool:
         """``method="auto"`` with a layer-wise plan, on the first batch (without a cached
         choice): the batch runs layer-wise (its sums count), then each candidate route runs
         the largest bucket's first samples at the chunk it would run at, once to warm up and
@@ -309,12 +302,12 @@ class _FisherRun:
         and loss tallies untouched). The fastest route over the bucket in whole chunks is
         cached with its chunk. Candidates: layer-wise in chunks of :data:`_VMAP_CHUNK` and of
         up to :data:`_LAYERWISE_CHUNK` samples (or the chunk asked for), and ``vmap``.
-        Returns the samples still to run (``None``: none ran)."""
+        Returns whether it ran the batch."""
         if not self._choosing():
-            return None
+            return False
         self.tuned = True
         if len(packed) < MIN_TUNE_SAMPLES:
-            return None
+            return False
         bucket = max(packed.buckets(), key=lambda b: len(b.indices))
         n = len(bucket.indices)
         plan, (asked, vmap_chunk) = self.plan, self.chunks
@@ -323,12 +316,14 @@ class _FisherRun:
         self._add_terms(fn, packed, targets)  # the batch, counted; warms the last size
         if self.plan is None:  # layer-wise fell back: vmap
             PLAN_CACHE.put(self.prep.model, self.key, (FisherMethod.VMAP, None, dict(self.shapes)))
-            return []
+            return True
+        ran = (FisherMethod.LAYERWISE, sizes[-1])
         routes = [(FisherMethod.LAYERWISE, c) for c in dict.fromkeys(sizes)]
         routes.append((FisherMethod.VMAP, min(n, vmap_chunk)))
         times: dict[tuple[FisherMethod, int], float] = {}
-        for r in routes[:-2] + routes[-1:]:  # warm-ups (the last layer-wise size just ran)
-            self._dropped_run(packed, bucket, r, fn, targets, plan)
+        for r in routes:  # warm-ups, but for the size that just ran
+            if r != ran:
+                self._dropped_run(packed, bucket, r, fn, targets, plan)
         for r in routes:
             times[r] = self._dropped_run(packed, bucket, r, fn, targets, plan)
         best = min(times.values())
@@ -343,7 +338,7 @@ class _FisherRun:
             + ", ".join(f"{m.value}/{c} {t * 1e3:.2f} ms" for (m, c), t in times.items())
             + f" per sample; chose {method.value!r} with {chunk} samples a chunk"
         )
-        return []
+        return True
 
     def _dropped_run(
         self,
@@ -360,7 +355,7 @@ class _FisherRun:
         method, chunk = route
         idx = bucket.indices[:chunk]
         sub = packed.select(idx)
-        saved = (self.plan, self.chunks, self.count)
+        saved = (self.plan, self.chunks)
         self.plan = plan if method is FisherMethod.LAYERWISE else None
         self.chunks = (chunk, chunk) if method is FisherMethod.LAYERWISE else (None, chunk)
         generator = self.opts.generator
@@ -378,7 +373,7 @@ class _FisherRun:
             TALLY.reset(tally)
             if generator is not None:
                 generator.set_state(state)
-            self.plan, self.chunks, self.count = saved
+            self.plan, self.chunks = saved
         return elapsed[0] / len(idx)
 
     def _add_terms(

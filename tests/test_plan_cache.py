@@ -208,10 +208,8 @@ def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
     assert _counts()[2] == probed and mj.plan_cache_info().size == 0
 
 
-def test_jacobian_norm_default_chunks_time_every_route_twice(monkeypatch) -> None:
-    """With default chunks, ``layerwise`` (whose own default chunk would take most of the
-    samples) is timed at ``vmap``'s chunk, every route is timed, the routes near the fastest
-    a second time (``probe`` counts both), and the chunks stay counted exactly once."""
+def _jacnorm_jobs(monkeypatch) -> list:
+    """The ``jacobian_sq_norm`` jobs created from here on (for their notes)."""
     from multiscale_jac import jacnorm
 
     jobs: list = []
@@ -222,6 +220,14 @@ def test_jacobian_norm_default_chunks_time_every_route_twice(monkeypatch) -> Non
         jobs.append(self)
 
     monkeypatch.setattr(jacnorm._Job, "__init__", keep)
+    return jobs
+
+
+def test_jacobian_norm_default_chunks_time_every_route_twice(monkeypatch) -> None:
+    """With default chunks, ``layerwise`` (whose own default chunk would take most of the
+    samples) is timed at ``vmap``'s chunk, every route is timed, the routes near the fastest
+    a second time (``probe`` counts both), and the chunks stay counted exactly once."""
+    jobs = _jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     model = model.to(DTYPE)
@@ -390,11 +396,7 @@ def test_jacobian_norm_ties_go_to_the_smallest_chunk(monkeypatch) -> None:
 
     monkeypatch.setattr(jacnorm, "stopwatch", same_rate)
     monkeypatch.setattr(jacnorm._Job, "_route", spy)
-    jobs: list = []
-    init = jacnorm._Job.__init__
-    monkeypatch.setattr(
-        jacnorm._Job, "__init__", lambda self, *a, **k: (init(self, *a, **k), jobs.append(self))[0]
-    )
+    jobs = _jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     x = torch.randn(110, 4, dtype=DTYPE)
