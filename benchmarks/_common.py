@@ -138,6 +138,7 @@ def env_stamp(device: str | torch.device) -> dict[str, Any]:
         "cpu_affinity": affinity,
         "cpu_model": cpu_model(),
         "torch_threads": torch.get_num_threads(),
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or None,
         "torch_interop_threads": torch.get_num_interop_threads(),
         "device": str(device),
         "cuda_available": torch.cuda.is_available(),
@@ -388,14 +389,20 @@ def measure_peak_memory(fn: Callable[[], Any], device: str | torch.device) -> di
     return rec
 
 
-def run_worker(args: Sequence[str], *, timeout_s: float) -> dict[str, Any]:
-    """Run ``sys.executable *args`` in a fresh process; parse the last stdout line as JSON.
+def run_worker(
+    args: Sequence[str], *, timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``sys.executable *args`` in a fresh process (``env``: variables added to this
+    process's environment); parse the last stdout line as JSON.
 
     Returns the parsed dict, or ``{"error": ...}`` when the worker fails or times out.
     """
     cmd = [sys.executable, *args]
+    full_env = {**os.environ, **env} if env else None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=full_env
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"worker timed out after {timeout_s:g} s: {' '.join(cmd)}"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]

@@ -71,6 +71,7 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -148,6 +149,14 @@ SUBSET_K = {"subset": 200, "laplace": 100}
 NUM_CLASSES = 10
 CHECK_SAMPLES = 3  # the float64 slice (ragged: 3 samples, else 2) and the warm-up slice
 VMAP_CHUNK = 16  # samples per vmap call of the Jacobian / Jacobian-norm peers
+#: the timing workers' glibc malloc settings (``--malloc fixed``): freed memory stays in the
+#: heap (no trim) and blocks up to 32 MiB (glibc's largest threshold) come from it. With
+#: glibc's dynamic default the heap is trimmed after large frees, and the next call's page
+#: faults made a route's time depend on what ran before it in the process: the same route on
+#: the same data took 47 or 78-156 ms (subset/gelu_cnn, vmap/16), and the fastest samples per
+#: call changed with it. Fixed, every method (peers and library alike) runs 30-40% faster here
+#: and repeats within a few percent. ``--malloc default`` keeps glibc's behaviour.
+MALLOC_FIXED = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
 FISHER_VMAP_CHUNK = 32  # bench_fisher's
 CHUNK_BYTES = 256 * 2**20  # vmap(jacrev): fewer samples per call when their Jacobian is larger
 
@@ -1448,6 +1457,7 @@ def cell_worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cell = build_cell(workload, model_name, quick=args.quick, device=args.device, seed=args.seed)
     rec: dict[str, Any] = {"name": cell.name, **cell_summary(cell)}
+    rec["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or None
     methods = [m for m in methods_for(workload) if wants(args, m.name)]
     baseline: dict[str, Any] = {}
     results = {m.name: bench_method(cell, m, args, baseline) for m in methods[:1]}
@@ -1614,7 +1624,11 @@ def run_cell(w: str, m: str, args: argparse.Namespace, deadline: float | None) -
     name = f"{w}/{m}"
     log(f"== {name}: timing all methods in one worker ...")
     t0 = time.perf_counter()
-    rec = run_worker([str(SCRIPT), "--worker-cell", w, m, *args.argv], timeout_s=args.timeout)
+    rec = run_worker(
+        [str(SCRIPT), "--worker-cell", w, m, *args.argv],
+        timeout_s=args.timeout,
+        env=MALLOC_FIXED if args.malloc == "fixed" else None,
+    )
     rec = {"name": name, "workload": w, "model": m, **rec}
     if "error" in rec or "methods" not in rec:
         log(f"   {name}: {rec.get('error')}")
@@ -1690,8 +1704,10 @@ def main(args: argparse.Namespace) -> int:
             "check_tol",
             "f32_tol",
             "seed",
+            "malloc",
         )
     }
+    config["malloc_env"] = MALLOC_FIXED if args.malloc == "fixed" else None
     config["sizes"] = {w: SIZES[w][1 if args.quick else 0] for w in WORKLOADS}
     config["grid"] = [f"{w}/{m}" for w, m in cells]
     config["peers_installed"] = {
@@ -1979,6 +1995,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout", type=float, default=1200.0, help="seconds per worker process")
     add("--rounds", type=int, default=5, help="interleaved rounds of the contenders (5; 0: none)")
     add("--rounds-budget", type=float, default=60.0, help="seconds for the rounds at most (60)")
+    add(
+        "--malloc",
+        choices=("fixed", "default"),
+        default="fixed",
+        help="the timing workers' glibc malloc thresholds: fixed (default; MALLOC_FIXED) or "
+        "glibc's dynamic default",
+    )
     add("--seed", type=int, default=0)
     add("--out", help="output folder (default: benchmarks/results)")
     add("--name", help="file stem (default: bench_peers[_quick]; --check adds _check)")

@@ -235,6 +235,12 @@ MIN_PROBE_BATCH = 8
 #: each route is timed on one vectorised call of at least this many samples (where it has
 #: them): single samples misjudge the routes that vectorise over samples better
 MIN_PROBE_SAMPLES = 8
+#: routes timed within this factor of the fastest are timed once more, the faster time
+#: counting: a route's first vectorised call at a new size paid up to 2.7x its later time
+RETIME = 3.0
+#: ``auto`` also times the chosen route at half its samples per vectorised call where its
+#: calls have at least this many samples (and at twice them where the bucket has them)
+MIN_HALVED_CALL = 4
 
 
 class _EngineRun:
@@ -320,7 +326,7 @@ class _EngineRun:
         if o.entries is Entries.AUTO and plan.structured:
             entries.append(Entries.GENERIC)  # the structured passes' cost is a guess too
         candidates = [(s, m, e) for s in strategies for m in modes for e in entries]
-        if o.tune is Tune.ESTIMATE or len(candidates) < 2:
+        if o.tune is Tune.ESTIMATE or (len(candidates) < 2 and not self.resizable(plan)):
             return ran, plan
         first = (ran, plan.mode, o.entries)  # the estimate's choice: it also warms up
         plans = {first: plan}
@@ -336,19 +342,33 @@ class _EngineRun:
         keep = {first, (ran, plan.mode, Entries.GENERIC)}
         trial = [(k, p) for k, p in plans.items() if estimates[k] <= SHORTLIST * best or k in keep]
         largest = max(len(b.indices) for b in self.packed.buckets())
-        if len(trial) > 1 and (
+        if (len(trial) > 1 or self.resizable(plan)) and (
             o.tune is Tune.MEASURE or (len(self.packed) >= MIN_PROBE_BATCH and largest >= 2)
         ):
             self.trial = trial
         return ran, plan
 
+    def resizable(self, plan: VectorPlan) -> bool:
+        """Whether the samples per vectorised call are ``auto``'s to time: the caller set no
+        ``chunk_size``, and the largest bucket's calls can double (it has the samples and no
+        ``memory_budget`` bounds them) or halve (:data:`MIN_HALVED_CALL`)."""
+        return self.options.chunk_size is None and bool(self.call_sizes(plan)[1:])
+
+    def call_sizes(self, plan: VectorPlan) -> list[int]:
+        """The planned samples per call of the largest bucket, then twice and half that,
+        where allowed (:meth:`resizable`)."""
+        n = _call_size(plan, self.packed)
+        largest = max(len(b.indices) for b in self.packed.buckets())
+        up = [min(2 * n, largest)] if n < largest and self.options.memory_budget is None else []
+        return [n, *up, *([n // 2] if n >= MIN_HALVED_CALL else [])]
+
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
         """Run the first samples of the largest bucket with each shortlisted route: a
         one-sample warm-up (a route's first call pays one-time costs), then one vectorised
         call on an equal share of the bucket, at least :data:`MIN_PROBE_SAMPLES` (or the whole
-        bucket), timed (:func:`stopwatch`); then the routes within twice the fastest once
-        more (a route's first vectorised call in a process still paid 2.7x its later time,
-        and the slower route was chosen), the faster of its two times counting. Their
+        bucket), timed (:func:`stopwatch`); then the routes within :data:`RETIME` of the
+        fastest once more (a route's first vectorised call at a size still paid up to 2.7x
+        its later time, and the slower route was chosen), the faster of its two times counting. Their
         Jacobians go into the result, so timing costs only the slower routes' extra time.
         Where the bucket is too small for every route to get new samples, later routes redo
         samples already done (their results are the same). Returns the result buffers, the
@@ -364,9 +384,12 @@ class _EngineRun:
         def call_size(plan: VectorPlan) -> int:
             # one vectorised call of the route (its samples per call), up to a share of the
             # bucket: per-sample times of one sample misjudge routes that vectorise better
-            (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
-            return min(share, max(c.samples for c in group.chunks))
+            return min(share, _call_size(plan, self.packed))
 
+        if len(trial) == 1:  # only the samples per call are timed
+            ((best, plan),) = trial
+            into, done, plan = self.try_calls(best, plan, bucket, pool, into, done)
+            return into, done, best[0], plan
         for key, plan in trial:
             if self._time_route(key, plan, 1, bucket, pool, into, done) is None:
                 continue  # its warm-up failed
@@ -379,7 +402,7 @@ class _EngineRun:
             return into, set(), trial[0][0][0], trial[0][1]
         fastest = min(times.values())
         for key, plan in trial:
-            if key in times and fastest < times[key] <= 2 * fastest:
+            if key in times and fastest < times[key] <= RETIME * fastest:
                 k = call_size(plan)
                 again = self._time_route(key, plan, k, bucket, pool, into, done, timed=True)
                 times[key] = min(times[key], math.inf if again is None else again)
@@ -390,7 +413,48 @@ class _EngineRun:
             + f" per sample; chose {_route(best)}"
         )
         self.options = dataclasses.replace(self.options, mode=best[1], entries=best[2])
-        return into, done, best[0], dict(trial)[best]
+        plan = dict(trial)[best]
+        if self.resizable(plan):
+            into, done, plan = self.try_calls(best, plan, bucket, pool, into, done)
+        return into, done, best[0], plan
+
+    def try_calls(
+        self,
+        key: tuple[Strategy, Mode, Entries],
+        plan: VectorPlan,
+        bucket: Any,
+        pool: list[int],
+        into: tuple[Tensor, Tensor],
+        done: set[int],
+    ) -> tuple[tuple[Tensor, Tensor], set[int], VectorPlan]:
+        """Time the chosen route's vectorised calls at their planned size ``n`` against calls
+        of ``2n`` samples (the cost model sizes calls by a default working set, which is a
+        guess), each twice in turn (the faster of the two counting: a first call at a size
+        pays one-time costs); where ``2n`` is not faster, against calls of ``n // 2`` (the
+        fastest size also depends on the allocator: on CPU, glibc's returns freed memory to
+        the system above a threshold, and the page faults of a large call can cost more
+        than it gains; docs/design.md, "How auto chooses"). Keeps the fastest."""
+        n, *others = self.call_sizes(plan)
+        plans = {n: plan, **{k: _resized(plan, k, n) for k in others}}
+        times: dict[int, float] = {}
+
+        def timed(size: int) -> None:
+            t = self._time_route(key, plans[size], size, bucket, pool, into, done, timed=True)
+            times[size] = min(times.get(size, math.inf), math.inf if t is None else t)
+
+        up, down = [k for k in others if k > n], [k for k in others if k < n]
+        for size in [n, *up] * 2 if up else []:
+            timed(size)
+        if down and (not times or min(times, key=times.__getitem__) == n):
+            for size in [*down, *down] if times else [n, *down] * 2:
+                timed(size)
+        chosen = min(times, key=times.__getitem__)
+        self.notes.append(
+            f"tune: {_route(key)} in calls of "
+            + ", ".join(f"{k} samples {v * 1e3:.1f} ms" for k, v in times.items())
+            + f" per sample (the faster of two calls); chose {chosen}"
+        )
+        return into, done, plans[chosen]
 
     def _time_route(
         self,
@@ -521,6 +585,29 @@ class _EngineRun:
             outputs=outputs,
             **extra,
         )
+
+
+def _call_size(plan: VectorPlan, packed: PackedBatch) -> int:
+    """Samples per vectorised call of ``plan`` in the largest shape bucket."""
+    bucket = max(packed.buckets(), key=lambda b: len(b.indices))
+    (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
+    return max(c.samples for c in group.chunks)
+
+
+def _resized(plan: VectorPlan, k: int, n: int) -> VectorPlan:
+    """``plan`` with ``k / n`` times its samples per vectorised call (at least one, at most a
+    group's samples)."""
+    groups = [
+        dataclasses.replace(
+            g,
+            chunks=tuple(
+                dataclasses.replace(c, samples=max(1, min(len(g.indices), c.samples * k // n)))
+                for c in g.chunks
+            ),
+        )
+        for g in plan.groups
+    ]
+    return dataclasses.replace(plan, groups=groups)
 
 
 def _route(key: tuple[Strategy, Mode, Entries]) -> str:

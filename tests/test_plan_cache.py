@@ -402,3 +402,56 @@ def test_jacobian_norm_ties_go_to_the_smallest_chunk(monkeypatch) -> None:
     x = torch.randn(110, 4, dtype=DTYPE)
     mj.jacobian_sq_norm(model.to(DTYPE), x).backward()
     assert jobs[-1].notes[-1].endswith("chose 'vmap' with 8 samples a chunk"), jobs[-1].notes
+
+
+@pytest.mark.parametrize(
+    "workset, faster, chosen",
+    [(None, "smaller", 6), (None, "larger", 12), (1, "larger", 2), (1, "smaller", 1)],
+    ids=["whole-bucket-halves", "whole-bucket-stays", "one-sample-doubles", "one-sample-stays"],
+)
+def test_auto_times_the_samples_per_call(monkeypatch, workset, faster: str, chosen: int) -> None:
+    """``tune="auto"`` times the chosen route's calls at their planned size against twice it
+    (where the bucket has the samples) and, where that is not faster, half it; the faster
+    size runs, is cached, and the result stays exact. Timings forced: per-sample seconds
+    falling (``larger`` faster) or rising with the call size."""
+    from multiscale_jac import _planning, engine
+
+    monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 3)
+    if workset is not None:  # one sample per call planned
+        monkeypatch.setitem(_planning.DEFAULT_WORKSET_BYTES, "cpu", workset)
+    real = engine._EngineRun._time_route
+
+    def forced(self, key, plan, k, *args, **kw):
+        t = real(self, key, plan, k, *args, **kw)
+        return t if not kw.get("timed") else (1.0 / k if faster == "larger" else float(k))
+
+    monkeypatch.setattr(engine._EngineRun, "_time_route", forced)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(12, 3)
+    ).to(DTYPE)
+    x = torch.randn(12, 2, 4, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+    kwargs = dict(strategy="vmap", mode="rev", entries="generic")
+    res = mj.per_sample_jacobian(model, x, **kwargs)
+    (note,) = [n for n in res.notes if " in calls of " in n]
+    assert note.endswith(f"chose {chosen}"), note
+    assert res.chunk_size == chosen, res.notes
+    ref = mj.reference.per_sample_jacobian_loop(model, x)
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+    probed = mj.plan_cache_info().probed
+    again = mj.per_sample_jacobian(model, x, **kwargs)
+    assert mj.plan_cache_info().probed == probed  # cached: nothing timed again
+    assert again.chunk_size == chosen
+    torch.testing.assert_close(again.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+
+
+def test_a_given_chunk_size_is_not_timed(monkeypatch) -> None:
+    """The caller's ``chunk_size`` is kept: no call size is timed against it."""
+    from multiscale_jac import engine
+
+    monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()).to(DTYPE)
+    x = torch.randn(12, 4, dtype=DTYPE)
+    res = mj.per_sample_jacobian(model, x, strategy="vmap", mode="rev", chunk_size=8)
+    assert res.chunk_size == 8
+    assert not [n for n in res.notes if " in calls of " in n], res.notes
