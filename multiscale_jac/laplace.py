@@ -974,8 +974,12 @@ class SubnetLaplace:
         fn = self._function(packed)
         values = fn.values()
         n = packed.num_samples
-        with torch.no_grad():
-            shapes = [raw_output(fn, values, tuple(packed.sample(i))).shape[1:] for i in range(n)]
+        shapes: list[torch.Size] = [torch.Size()] * n
+        with torch.no_grad():  # one forward pass per shape bucket: its samples' outputs agree
+            for bucket in packed.buckets():
+                shape = raw_output(fn, values, tuple(packed.sample(bucket.indices[0]))).shape
+                for i in bucket.indices:
+                    shapes[i] = shape[1:]
         per_row = max(1, self.subset.numel * self.mean.element_size() * 3)
         options = EngineOptions(
             entries=self.entries,
