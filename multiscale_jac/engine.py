@@ -241,6 +241,8 @@ RETIME = 3.0
 #: ``auto`` also times the chosen route at half its samples per vectorised call where its
 #: calls have at least this many samples (and at twice them where the bucket has them)
 MIN_HALVED_CALL = 4
+#: another samples per call replaces the planned one when timed this much faster
+CALL_MARGIN = 1.1
 
 
 class _EngineRun:
@@ -355,11 +357,15 @@ class _EngineRun:
         return self.options.chunk_size is None and bool(self.call_sizes(plan)[1:])
 
     def call_sizes(self, plan: VectorPlan) -> list[int]:
-        """The planned samples per call of the largest bucket, then twice and half that,
-        where allowed (:meth:`resizable`)."""
+        """The planned samples per call of the largest bucket, then twice (planned at least
+        two) and half that, where allowed (:meth:`resizable`)."""
         n = _call_size(plan, self.packed)
         largest = max(len(b.indices) for b in self.packed.buckets())
-        up = [min(2 * n, largest)] if n < largest and self.options.memory_budget is None else []
+        # one sample a call fills the default working set already: the call is not doubled
+        # (on the strided tanh CNN, 21 MB of Jacobian a sample, the timed calls of two ran
+        # faster and the whole batch slower)
+        free = self.options.memory_budget is None and 2 <= n < largest
+        up = [min(2 * n, largest)] if free else []
         return [n, *up, *([n // 2] if n >= MIN_HALVED_CALL else [])]
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
@@ -427,32 +433,46 @@ class _EngineRun:
         into: tuple[Tensor, Tensor],
         done: set[int],
     ) -> tuple[tuple[Tensor, Tensor], set[int], VectorPlan]:
-        """Time the chosen route's vectorised calls at their planned size ``n`` against calls
-        of ``2n`` samples (the cost model sizes calls by a default working set, which is a
-        guess), each twice in turn (the faster of the two counting: a first call at a size
-        pays one-time costs); where ``2n`` is not faster, against calls of ``n // 2`` (the
-        fastest size also depends on the allocator: on CPU, glibc's returns freed memory to
-        the system above a threshold, and the page faults of a large call can cost more
-        than it gains; docs/design.md, "How auto chooses"). Keeps the fastest."""
+        """Time the chosen route's samples per vectorised call: the planned size ``n``
+        against ``2n``, doubled again while faster, up to the bucket (the cost model sizes
+        calls by a default working set, a guess) and, where ``2n`` is not faster, against
+        ``n // 2`` (the fastest size also depends on the allocator: on CPU, glibc's returns
+        freed memory to the system above a threshold, and the page faults of a large call
+        can cost more than it gains; docs/benchmarks.md, "Allocator"). Each size gets a warm-up call (a first call at a size pays one-time
+        costs), then each pair runs the same number of samples (two calls of the larger
+        size, at least :data:`MIN_PROBE_SAMPLES`), timed: one call alone misjudged a size
+        whose calls alternate fast and slow. A size must be :data:`CALL_MARGIN` faster to
+        replace the one it is timed against."""
         n, *others = self.call_sizes(plan)
-        plans = {n: plan, **{k: _resized(plan, k, n) for k in others}}
-        times: dict[int, float] = {}
+        plans = {n: plan}
+        largest = len(bucket.indices)
+        warm: set[int] = set()
+        timed: list[tuple[int, float]] = []
 
-        def timed(size: int) -> None:
-            t = self._time_route(key, plans[size], size, bucket, pool, into, done, timed=True)
-            times[size] = min(times.get(size, math.inf), math.inf if t is None else t)
+        def replaces(a: int, b: int) -> bool:
+            """Time ``a`` and ``b`` on the same samples; whether ``b`` is the faster."""
+            window = min(max(2 * max(a, b), MIN_PROBE_SAMPLES), largest)
+            times = []
+            for size in (a, b):
+                p = plans.setdefault(size, _resized(plan, size, n))
+                if size not in warm:
+                    warm.add(size)
+                    self._time_route(key, p, size, bucket, pool, into, done)
+                t = self._time_route(key, p, window, bucket, pool, into, done, timed=True)
+                times.append(math.inf if t is None else t)
+                timed.append((size, times[-1]))
+            return times[1] * CALL_MARGIN < times[0]
 
-        up, down = [k for k in others if k > n], [k for k in others if k < n]
-        for size in [n, *up] * 2 if up else []:
-            timed(size)
-        if down and (not times or min(times, key=times.__getitem__) == n):
-            for size in [*down, *down] if times else [n, *down] * 2:
-                timed(size)
-        chosen = min(times, key=times.__getitem__)
+        chosen = n
+        if others and others[0] > n:  # doubled while faster, up to the bucket
+            while chosen < largest and replaces(chosen, min(2 * chosen, largest)):
+                chosen = min(2 * chosen, largest)
+        if chosen == n and others[-1] < n and replaces(n, others[-1]):
+            chosen = others[-1]
         self.notes.append(
             f"tune: {_route(key)} in calls of "
-            + ", ".join(f"{k} samples {v * 1e3:.1f} ms" for k, v in times.items())
-            + f" per sample (the faster of two calls); chose {chosen}"
+            + ", ".join(f"{k} samples {v * 1e3:.1f} ms" for k, v in timed)
+            + f" per sample (each pair on the same samples, after a warm-up call); chose {chosen}"
         )
         return into, done, plans[chosen]
 

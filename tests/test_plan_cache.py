@@ -3,6 +3,7 @@ or probe and gives the same result; the cache is bounded, weakly keyed, clearabl
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -405,25 +406,43 @@ def test_jacobian_norm_ties_go_to_the_smallest_chunk(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "workset, faster, chosen",
-    [(None, "smaller", 6), (None, "larger", 12), (1, "larger", 2), (1, "smaller", 1)],
-    ids=["whole-bucket-halves", "whole-bucket-stays", "one-sample-doubles", "one-sample-stays"],
+    "planned, faster, chosen",
+    [
+        (None, "smaller", 6),
+        (None, "larger", 12),
+        (3, "larger", 12),
+        (3, "smaller", 3),
+        (1, "larger", 1),
+    ],
+    ids=[
+        "whole-bucket-halves",
+        "whole-bucket-stays",
+        "three-doubles-to-the-bucket",
+        "three-stay",
+        "one-sample-is-not-doubled",
+    ],
 )
-def test_auto_times_the_samples_per_call(monkeypatch, workset, faster: str, chosen: int) -> None:
+def test_auto_times_the_samples_per_call(monkeypatch, planned, faster: str, chosen: int) -> None:
     """``tune="auto"`` times the chosen route's calls at their planned size against twice it
-    (where the bucket has the samples) and, where that is not faster, half it; the faster
-    size runs, is cached, and the result stays exact. Timings forced: per-sample seconds
-    falling (``larger`` faster) or rising with the call size."""
+    (where the bucket has the samples) and, where that is not faster, half it, on the same
+    samples; the faster size runs, is cached, and the result stays exact. Timings forced:
+    per-sample seconds falling (``larger`` faster) or rising with the call size."""
     from multiscale_jac import _planning, engine
 
     monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 3)
-    if workset is not None:  # one sample per call planned
-        monkeypatch.setitem(_planning.DEFAULT_WORKSET_BYTES, "cpu", workset)
+    if planned is not None:  # this many samples per call planned (else the whole bucket)
+        plan_chunks = _planning.plan_chunks
+        monkeypatch.setattr(
+            _planning,
+            "plan_chunks",
+            lambda *a, **kw: dataclasses.replace(plan_chunks(*a, **kw), samples=planned),
+        )
     real = engine._EngineRun._time_route
 
     def forced(self, key, plan, k, *args, **kw):
         t = real(self, key, plan, k, *args, **kw)
-        return t if not kw.get("timed") else (1.0 / k if faster == "larger" else float(k))
+        size = engine._call_size(plan, self.packed)
+        return t if not kw.get("timed") else (1.0 / size if faster == "larger" else float(size))
 
     monkeypatch.setattr(engine._EngineRun, "_time_route", forced)
     torch.manual_seed(0)
@@ -433,8 +452,12 @@ def test_auto_times_the_samples_per_call(monkeypatch, workset, faster: str, chos
     x = torch.randn(12, 2, 4, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
     kwargs = dict(strategy="vmap", mode="rev", entries="generic")
     res = mj.per_sample_jacobian(model, x, **kwargs)
-    (note,) = [n for n in res.notes if " in calls of " in n]
-    assert note.endswith(f"chose {chosen}"), note
+    timed = [n for n in res.notes if " in calls of " in n]
+    if planned == 1:  # one sample a call fills the working set: not timed
+        assert not timed, res.notes
+    else:
+        (note,) = timed
+        assert note.endswith(f"chose {chosen}"), note
     assert res.chunk_size == chosen, res.notes
     ref = mj.reference.per_sample_jacobian_loop(model, x)
     torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
