@@ -1378,7 +1378,9 @@ def interleave(
         warnings.simplefilter("ignore")
         for m in contenders:
             run = m.prepare(cell, copy.deepcopy(cell.model) if m.is_library else cell.model)
-            run(cell.batch)  # warm: plans cached, buffers allocated
+            res = run(cell.batch)  # warm: plans cached (a library route chooses again), buffers
+            if isinstance(res, LibraryResult):  # allocated
+                results[m.name]["library_rounds"] = res.info
             timers[m.name] = Timer(
                 stmt="run(batch)",
                 globals={"run": run, "batch": cell.batch},

@@ -241,8 +241,8 @@ RETIME = 3.0
 #: ``auto`` also times the chosen route at half its samples per vectorised call where its
 #: calls have at least this many samples (and at twice them where the bucket has them)
 MIN_HALVED_CALL = 4
-#: another samples per call replaces the planned one when timed this much faster
-CALL_MARGIN = 1.1
+#: a samples per call replaces the one it is timed against when this much faster
+CALL_MARGIN = 1.05
 
 
 class _EngineRun:
@@ -365,8 +365,8 @@ class _EngineRun:
         # (on the strided tanh CNN, 21 MB of Jacobian a sample, the timed calls of two ran
         # faster and the whole batch slower)
         free = self.options.memory_budget is None and 2 <= n < largest
-        up = [min(2 * n, largest)] if free else []
-        return [n, *up, *([n // 2] if n >= MIN_HALVED_CALL else [])]
+        up = [_even(2 * n, largest)] if free else []
+        return [n, *up, *([_even(n // 2, largest)] if n >= MIN_HALVED_CALL else [])]
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
         """Run the first samples of the largest bucket with each shortlisted route: a
@@ -434,15 +434,19 @@ class _EngineRun:
         done: set[int],
     ) -> tuple[tuple[Tensor, Tensor], set[int], VectorPlan]:
         """Time the chosen route's samples per vectorised call: the planned size ``n``
-        against ``2n``, doubled again while faster, up to the bucket (the cost model sizes
+        against ``2n`` (calls that split the bucket evenly: :func:`_even`), doubled again
+        while faster, up to the bucket (the cost model sizes
         calls by a default working set, a guess) and, where ``2n`` is not faster, against
         ``n // 2`` (the fastest size also depends on the allocator: on CPU, glibc's returns
         freed memory to the system above a threshold, and the page faults of a large call
         can cost more than it gains; docs/benchmarks.md, "Allocator"). Each size gets a warm-up call (a first call at a size pays one-time
         costs), then each pair runs the same number of samples (two calls of the larger
         size, at least :data:`MIN_PROBE_SAMPLES`), timed: one call alone misjudged a size
-        whose calls alternate fast and slow. A size must be :data:`CALL_MARGIN` faster to
-        replace the one it is timed against."""
+        whose calls alternate fast and slow (on a small bucket the window is the whole
+        bucket: the run itself). A larger size replaces a smaller one unless
+        :data:`CALL_MARGIN` slower, a smaller one only when that much faster: the timing
+        told sizes within 10% of each other apart no better than chance, and the larger
+        calls ran at least as fast in the runs that followed (ResNet-8, the transformer)."""
         n, *others = self.call_sizes(plan)
         plans = {n: plan}
         largest = len(bucket.indices)
@@ -450,7 +454,7 @@ class _EngineRun:
         timed: list[tuple[int, float]] = []
 
         def replaces(a: int, b: int) -> bool:
-            """Time ``a`` and ``b`` on the same samples; whether ``b`` is the faster."""
+            """Time ``a`` and ``b`` on the same samples; whether ``b`` replaces ``a``."""
             window = min(max(2 * max(a, b), MIN_PROBE_SAMPLES), largest)
             times = []
             for size in (a, b):
@@ -461,12 +465,14 @@ class _EngineRun:
                 t = self._time_route(key, p, window, bucket, pool, into, done, timed=True)
                 times.append(math.inf if t is None else t)
                 timed.append((size, times[-1]))
+            if b > a:  # ties go to the larger calls (fewer of them; in the runs that
+                return times[1] < times[0] * CALL_MARGIN  # followed, at least as fast)
             return times[1] * CALL_MARGIN < times[0]
 
         chosen = n
         if others and others[0] > n:  # doubled while faster, up to the bucket
-            while chosen < largest and replaces(chosen, min(2 * chosen, largest)):
-                chosen = min(2 * chosen, largest)
+            while chosen < largest and replaces(chosen, _even(2 * chosen, largest)):
+                chosen = _even(2 * chosen, largest)
         if chosen == n and others[-1] < n and replaces(n, others[-1]):
             chosen = others[-1]
         self.notes.append(
@@ -612,6 +618,13 @@ def _call_size(plan: VectorPlan, packed: PackedBatch) -> int:
     bucket = max(packed.buckets(), key=lambda b: len(b.indices))
     (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
     return max(c.samples for c in group.chunks)
+
+
+def _even(k: int, bucket: int) -> int:
+    """Samples per call for calls of at most ``k`` samples that split ``bucket`` samples
+    evenly (16 samples in calls of at most 12: two calls of 8, not 12 and 4)."""
+    k = min(k, bucket)
+    return -(-bucket // -(-bucket // k))
 
 
 def _resized(plan: VectorPlan, k: int, n: int) -> VectorPlan:
