@@ -1548,28 +1548,16 @@ def grid(args: argparse.Namespace) -> list[tuple[str, str]]:
 #: method there and what would fix it, written after a measurement; it replaces the generic
 #: note that :func:`slow_note` derives from the cell's numbers
 CELL_NOTES: dict[str, str] = {
-    "jacobian/gn_dw": "auto runs its fastest route (0.99x it); interleaved in rounds the "
-    "hand-written vmap(jacrev) in chunks of 16 took 0.0235 s against the library's 0.025 s, "
-    "while measured alone earlier in the same worker it took 0.039 s against 0.025 s: the two "
-    "trade places with the process's state; what would settle it: the samples per "
-    "vectorised call timed with the route (the library splits the batch by a 64 MiB working "
-    "set, the hand-written code takes 16 at once)",
-    "jacobian/transformer": "as jacobian/gn_dw: in rounds vmap(jacrev) took 0.021 s against "
-    "the library's 0.025 s, alone 0.042 s against 0.025 s (the fused attention kernel has no "
-    "batching rule and vmap runs it per sample either way)",
-    "ragged/tinyfpn": "auto runs its fastest route (within 2%); the per-sample jacrev loop is "
-    "as fast here (1.01), within the spread of the rounds",
-    "subset/gelu_cnn": "auto chose vmap/rev on the first call's timing (3.1 against 3.5 ms "
-    "per sample for generic entries); over the rounds the padded strategy's reverse route "
-    "was the fastest (0.054 against 0.067-0.077 s for the vmap and bucketed ones), and "
-    "auto never times it on a batch of one shape (the padded strategy cannot gain there): "
-    "what would fix it: the samples per vectorised call as part of the timed route (the "
-    "padded plan takes other call sizes), or the padded route among the candidates",
-    "laplace/gn_dw": "auto's five rounds spread from 0.054 to 0.079 s (the structured route's "
-    "0.054 s among them, its median 0.0725 s) against 0.061-0.075 s for the hand-written "
-    "vmap(jacrev) over the 100 columns; Laplace keeps no notes of its route choice, so "
-    "which entries ran is not recorded; what would fix it: timing the entries routes on "
-    "more than one call each",
+    "subset/det_head": "auto runs its fastest route (forward mode, generic entries: 0.037 s, "
+    "as the forced vmap and bucketed ones); curvlinops' JacobianLinearOperator takes 0.031 s: "
+    "it pushes the 200 one-hot tangents through the model run on the whole batch at once, "
+    "where the library vmaps over samples, each a batch of one (exact for any model, but on "
+    "this small head the batching rules cost about 20%); what would fix it: a forward route "
+    "that runs the batch as one call where the model is checked not to mix samples (as the "
+    "Fisher's layer-wise route does)",
+    "subset/gelu_cnn": "auto runs its fastest route within 6%; the hand-written vmap(jacrev) "
+    "in chunks of 16 over the 200 columns is as fast (1.00): both run the same vmapped "
+    "reverse passes",
 }
 
 
