@@ -51,6 +51,7 @@ __all__ = [
     "fmt_seconds",
     "git_commit",
     "load_average",
+    "malloc_env",
     "markdown_table",
     "measure_peak_memory",
     "median",
@@ -108,6 +109,11 @@ def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
     return {"commit": commit or None, "dirty": None if status is None else bool(status)}
 
 
+def malloc_env() -> dict[str, str] | None:
+    """This process's glibc malloc settings (``MALLOC_*`` variables), ``None`` where unset."""
+    return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or None
+
+
 def env_stamp(device: str | torch.device) -> dict[str, Any]:
     """What produced the numbers: versions, machine, threads, device, git commit, date (UTC)."""
     device = torch.device(device)
@@ -138,7 +144,7 @@ def env_stamp(device: str | torch.device) -> dict[str, Any]:
         "cpu_affinity": affinity,
         "cpu_model": cpu_model(),
         "torch_threads": torch.get_num_threads(),
-        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or None,
+        "malloc_env": malloc_env(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "device": str(device),
         "cuda_available": torch.cuda.is_available(),

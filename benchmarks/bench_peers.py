@@ -71,7 +71,6 @@ import importlib
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -94,6 +93,7 @@ from _common import (
     fmt_bytes,
     fmt_seconds,
     load_average,
+    malloc_env,
     markdown_table,
     measure_peak_memory,
     run_worker,
@@ -153,7 +153,7 @@ VMAP_CHUNK = 16  # samples per vmap call of the Jacobian / Jacobian-norm peers
 #: heap (no trim) and blocks up to 32 MiB (glibc's largest threshold) come from it. With
 #: glibc's dynamic default the heap is trimmed after large frees, and the next call's page
 #: faults made a route's time depend on what ran before it in the process: the same route on
-#: the same data took 47 or 78-156 ms (subset/gelu_cnn, vmap/16), and the fastest samples per
+#: the same data took 47 or 74-156 ms (subset/gelu_cnn, vmap/16), and the fastest samples per
 #: call changed with it. Fixed, every method (peers and library alike) runs 30-40% faster here
 #: and repeats within a few percent. ``--malloc default`` keeps glibc's behaviour.
 MALLOC_FIXED = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
@@ -1378,8 +1378,8 @@ def interleave(
         warnings.simplefilter("ignore")
         for m in contenders:
             run = m.prepare(cell, copy.deepcopy(cell.model) if m.is_library else cell.model)
-            res = run(cell.batch)  # warm: plans cached (a library route chooses again), buffers
-            if isinstance(res, LibraryResult):  # allocated
+            res = run(cell.batch)  # warm: plans cached, buffers allocated
+            if isinstance(res, LibraryResult):  # the library chose again (cache cleared since)
                 results[m.name]["library_rounds"] = res.info
             timers[m.name] = Timer(
                 stmt="run(batch)",
@@ -1459,7 +1459,7 @@ def cell_worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cell = build_cell(workload, model_name, quick=args.quick, device=args.device, seed=args.seed)
     rec: dict[str, Any] = {"name": cell.name, **cell_summary(cell)}
-    rec["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")} or None
+    rec["malloc_env"] = malloc_env()
     methods = [m for m in methods_for(workload) if wants(args, m.name)]
     baseline: dict[str, Any] = {}
     results = {m.name: bench_method(cell, m, args, baseline) for m in methods[:1]}

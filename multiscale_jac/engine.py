@@ -239,7 +239,7 @@ MIN_PROBE_SAMPLES = 8
 #: counting: a route's first vectorised call at a new size paid up to 2.7x its later time
 RETIME = 3.0
 #: ``auto`` also times the chosen route at half its samples per vectorised call where its
-#: calls have at least this many samples (and at twice them where the bucket has them)
+#: calls have at least this many samples (at twice them: :meth:`_EngineRun.call_sizes`)
 MIN_HALVED_CALL = 4
 #: a samples per call replaces the one it is timed against when this much faster
 CALL_MARGIN = 1.05
@@ -354,19 +354,20 @@ class _EngineRun:
         """Whether the samples per vectorised call are ``auto``'s to time: the caller set no
         ``chunk_size``, and the largest bucket's calls can double (it has the samples and no
         ``memory_budget`` bounds them) or halve (:data:`MIN_HALVED_CALL`)."""
-        return self.options.chunk_size is None and bool(self.call_sizes(plan)[1:])
+        _, up, down = self.call_sizes(plan)
+        return self.options.chunk_size is None and (up or down is not None)
 
-    def call_sizes(self, plan: VectorPlan) -> list[int]:
-        """The planned samples per call of the largest bucket, then twice (planned at least
-        two) and half that, where allowed (:meth:`resizable`)."""
+    def call_sizes(self, plan: VectorPlan) -> tuple[int, bool, int | None]:
+        """The planned samples per call ``n`` of the largest bucket, whether they may double
+        (the bucket has more samples, no ``memory_budget`` bounds the calls, and ``n`` is at
+        least 2: one sample a call fills the default working set already, and on the
+        strided tanh CNN, 21 MB of Jacobian a sample, the timed calls of two ran faster and
+        the whole batch slower) and the halved size (``None``: under
+        :data:`MIN_HALVED_CALL`)."""
         n = _call_size(plan, self.packed)
         largest = max(len(b.indices) for b in self.packed.buckets())
-        # one sample a call fills the default working set already: the call is not doubled
-        # (on the strided tanh CNN, 21 MB of Jacobian a sample, the timed calls of two ran
-        # faster and the whole batch slower)
-        free = self.options.memory_budget is None and 2 <= n < largest
-        up = [_even(2 * n, largest)] if free else []
-        return [n, *up, *([_even(n // 2, largest)] if n >= MIN_HALVED_CALL else [])]
+        up = self.options.memory_budget is None and 2 <= n < largest
+        return n, up, _even(n // 2, largest) if n >= MIN_HALVED_CALL else None
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
         """Run the first samples of the largest bucket with each shortlisted route: a
@@ -374,7 +375,8 @@ class _EngineRun:
         call on an equal share of the bucket, at least :data:`MIN_PROBE_SAMPLES` (or the whole
         bucket), timed (:func:`stopwatch`); then the routes within :data:`RETIME` of the
         fastest once more (a route's first vectorised call at a size still paid up to 2.7x
-        its later time, and the slower route was chosen), the faster of its two times counting. Their
+        its later time, and the slower route was chosen), the faster of its two times
+        counting; then the chosen route's samples per call (:meth:`try_calls`). Their
         Jacobians go into the result, so timing costs only the slower routes' extra time.
         Where the bucket is too small for every route to get new samples, later routes redo
         samples already done (their results are the same). Returns the result buffers, the
@@ -435,19 +437,19 @@ class _EngineRun:
     ) -> tuple[tuple[Tensor, Tensor], set[int], VectorPlan]:
         """Time the chosen route's samples per vectorised call: the planned size ``n``
         against ``2n`` (calls that split the bucket evenly: :func:`_even`), doubled again
-        while faster, up to the bucket (the cost model sizes
-        calls by a default working set, a guess) and, where ``2n`` is not faster, against
-        ``n // 2`` (the fastest size also depends on the allocator: on CPU, glibc's returns
-        freed memory to the system above a threshold, and the page faults of a large call
-        can cost more than it gains; docs/benchmarks.md, "Allocator"). Each size gets a warm-up call (a first call at a size pays one-time
-        costs), then each pair runs the same number of samples (two calls of the larger
-        size, at least :data:`MIN_PROBE_SAMPLES`), timed: one call alone misjudged a size
+        while faster, up to the bucket (the cost model sizes calls by a default working set,
+        a guess) and, where ``2n`` is not faster, against ``n // 2`` (the fastest size also
+        depends on the allocator: on CPU, glibc's returns freed memory to the system above a
+        threshold, and the page faults of a large call can cost more than it gains;
+        docs/benchmarks.md, "Allocator"). Each size gets a warm-up call (a first call at a
+        size pays one-time costs), then each pair runs the same number of samples (two calls
+        of the larger size, at least :data:`MIN_PROBE_SAMPLES`), timed: one call alone misjudged a size
         whose calls alternate fast and slow (on a small bucket the window is the whole
         bucket: the run itself). A larger size replaces a smaller one unless
         :data:`CALL_MARGIN` slower, a smaller one only when that much faster: the timing
         told sizes within 10% of each other apart no better than chance, and the larger
         calls ran at least as fast in the runs that followed (ResNet-8, the transformer)."""
-        n, *others = self.call_sizes(plan)
+        n, up, down = self.call_sizes(plan)
         plans = {n: plan}
         largest = len(bucket.indices)
         warm: set[int] = set()
@@ -470,11 +472,10 @@ class _EngineRun:
             return times[1] * CALL_MARGIN < times[0]
 
         chosen = n
-        if others and others[0] > n:  # doubled while faster, up to the bucket
-            while chosen < largest and replaces(chosen, _even(2 * chosen, largest)):
-                chosen = _even(2 * chosen, largest)
-        if chosen == n and others[-1] < n and replaces(n, others[-1]):
-            chosen = others[-1]
+        while up and chosen < largest and replaces(chosen, _even(2 * chosen, largest)):
+            chosen = _even(2 * chosen, largest)  # doubled while faster, up to the bucket
+        if chosen == n and down is not None and replaces(n, down):
+            chosen = down
         self.notes.append(
             f"tune: {_route(key)} in calls of "
             + ", ".join(f"{k} samples {v * 1e3:.1f} ms" for k, v in timed)
