@@ -44,6 +44,7 @@ from ._planning import (
     COUNTS,
     PLAN_CACHE,
     EngineOptions,
+    cpu_chunk_cap,
     measure,
     plan_key,
     stopwatch,
@@ -420,7 +421,20 @@ class _Job:
         chunk_size, budget, dtype = self._sizing
         if chunk_size is not None or budget is not None:
             return False
-        return 2 * chunk * self._row_grads_bytes(dtype) <= _VMAP_BYTES
+        cap = self._cpu_cap(JacNormMethod.VMAP, dtype)
+        return 2 * chunk * self._row_grads_bytes(dtype) <= _VMAP_BYTES and (
+            cap is None or 2 * chunk <= cap
+        )
+
+    def _cpu_cap(self, method: JacNormMethod, dtype: torch.dtype) -> int | None:
+        """Samples per ``vmap`` / ``hvp`` chunk under :data:`CPU_TENSOR_BYTES` for the
+        largest per-sample tensor of a chunk, ``(n, rows, *shape)``: the gradients of the
+        largest subset tensor (``vmap``) or parameter (``hvp``: every parameter's). ``None``
+        off CPU."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        names = self.mask if method is JacNormMethod.VMAP else self.fn.params
+        largest = max(self.fn.params[n].numel() for n in names)
+        return cpu_chunk_cap(self.fn.device, max(self.outputs.values()) * largest * itemsize)
 
     def _row_grads_bytes(self, dtype: torch.dtype) -> int:
         """One sample's per-sample gradients of every output row (``vmap``'s chunk unit)."""
@@ -446,6 +460,7 @@ class _Job:
         else:  # per-sample gradients of every row under _VMAP_BYTES, at most _HVP_CHUNK
             per_sample = self._row_grads_bytes(dtype)
             default = min(_HVP_CHUNK, max(1, _VMAP_BYTES // max(1, per_sample)))
+            default = min(default, self._cpu_cap(method, dtype) or default)
         if budget is None:
             return chunk_size or default
         kept = 2 * numel * itemsize  # the gradient and its chunk's part
@@ -552,7 +567,7 @@ class _Job:
         for the new shapes; and one timed chunk each mis-ordered routes 8% apart); the faster
         of a route's two times counts. Their results go into ``total`` and their samples into
         ``done``. The fastest route over the bucket in whole chunks (of those within
-        :data:`_TIE` of it, the one with the smallest chunk) is cached and runs the rest.
+        :data:`_TIE` of it, the one with the largest chunk) is cached and runs the rest.
         Where the bucket has too few samples left, a re-timed (or, under
         ``tune="measure"``, a late first-round) route runs on samples already counted and its
         result is dropped."""
@@ -570,10 +585,11 @@ class _Job:
             n = len(bucket.indices)  # a route's cost on the bucket: whole chunks, the last one's
             # fixed cost too (layer-wise in 9s took 15 chunks for 128 samples, 6% over 128/9)
             cost = {r: t * -(-n // r[1]) * r[1] for r, t in times.items()}
-            # routes the timing cannot tell apart: the one with the smallest chunk (its working
-            # set; vmap/32 tied with layer-wise/7 on the first call, then ran 1.4x slower)
+            # routes the timing cannot tell apart: the one with the largest chunk (fewer calls;
+            # chunks are capped under the CPU's mmap threshold, the cause of the one case where
+            # a tied larger chunk ran slower later: vmap/32 on a 3-conv CNN, 1.4x)
             tied = [r for r, c in cost.items() if c <= _TIE * min(cost.values())]
-            self.method, chunk = min(tied, key=lambda r: (r[1], cost[r]))
+            self.method, chunk = max(tied, key=lambda r: (r[1], -cost[r]))
             self._chunk_of[self.method] = chunk
             PLAN_CACHE.put(self.fn.model, self.key, (self.method, chunk))
             self.notes.append(
