@@ -122,6 +122,19 @@ DEFAULT_WORKSET_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
 CPU_TENSOR_BYTES = 32 * 2**20
 
 
+#: ``tune``: routes timed within this factor of the fastest are timed once more, the faster
+#: time counting: a route's first vectorised call at a new size paid up to 2.7x its later time
+#: (``jacobian_sq_norm``'s ``hvp``: 4x, left out)
+RETIME = 3.0
+
+
+def even_chunk(k: int, bucket: int) -> int:
+    """Samples per call for calls of at most ``k`` samples that split ``bucket`` samples
+    evenly (16 samples in calls of at most 12: two calls of 8, not 12 and 4)."""
+    k = min(k, bucket)
+    return -(-bucket // -(-bucket // k))
+
+
 def cpu_chunk_cap(device: torch.device, bytes_per_sample: int) -> int | None:
     """Samples per vectorised chunk that keep a tensor of ``bytes_per_sample`` per sample
     under :data:`CPU_TENSOR_BYTES` on CPU (at least one); ``None`` elsewhere."""

@@ -38,10 +38,12 @@ from ._planning import (
     COUNTS,
     KERNEL_CACHE,
     PLAN_CACHE,
+    RETIME,
     EngineOptions,
     VectorPlan,
     choose_strategy,
     decision,
+    even_chunk,
     first_line,
     plan_key,
     plan_seconds,
@@ -235,9 +237,6 @@ MIN_PROBE_BATCH = 8
 #: each route is timed on one vectorised call of at least this many samples (where it has
 #: them): single samples misjudge the routes that vectorise over samples better
 MIN_PROBE_SAMPLES = 8
-#: routes timed within this factor of the fastest are timed once more, the faster time
-#: counting: a route's first vectorised call at a new size paid up to 2.7x its later time
-RETIME = 3.0
 #: ``auto`` also times the chosen route at half its samples per vectorised call where its
 #: calls have at least this many samples (at twice them: :meth:`_EngineRun.call_sizes`)
 MIN_HALVED_CALL = 4
@@ -367,7 +366,7 @@ class _EngineRun:
         n = _call_size(plan, self.packed)
         largest = max(len(b.indices) for b in self.packed.buckets())
         up = self.options.memory_budget is None and 2 <= n < largest
-        return n, up, _even(n // 2, largest) if n >= MIN_HALVED_CALL else None
+        return n, up, even_chunk(n // 2, largest) if n >= MIN_HALVED_CALL else None
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
         """Run the first samples of the largest bucket with each shortlisted route: a
@@ -436,7 +435,7 @@ class _EngineRun:
         done: set[int],
     ) -> tuple[tuple[Tensor, Tensor], set[int], VectorPlan]:
         """Time the chosen route's samples per vectorised call: the planned size ``n``
-        against ``2n`` (calls that split the bucket evenly: :func:`_even`), doubled again
+        against ``2n`` (calls that split the bucket evenly: :func:`even_chunk`), doubled again
         while faster, up to the bucket (the cost model sizes calls by a default working set,
         a guess) and, where ``2n`` is not faster, against ``n // 2`` (the fastest size also
         depends on the allocator: on CPU, glibc's returns freed memory to the system above a
@@ -472,8 +471,8 @@ class _EngineRun:
             return times[1] * CALL_MARGIN < times[0]
 
         chosen = n
-        while up and chosen < largest and replaces(chosen, _even(2 * chosen, largest)):
-            chosen = _even(2 * chosen, largest)  # doubled while faster, up to the bucket
+        while up and chosen < largest and replaces(chosen, even_chunk(2 * chosen, largest)):
+            chosen = even_chunk(2 * chosen, largest)  # doubled while faster, up to the bucket
         if chosen == n and down is not None and replaces(n, down):
             chosen = down
         self.notes.append(
@@ -619,13 +618,6 @@ def _call_size(plan: VectorPlan, packed: PackedBatch) -> int:
     bucket = max(packed.buckets(), key=lambda b: len(b.indices))
     (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
     return max(c.samples for c in group.chunks)
-
-
-def _even(k: int, bucket: int) -> int:
-    """Samples per call for calls of at most ``k`` samples that split ``bucket`` samples
-    evenly (16 samples in calls of at most 12: two calls of 8, not 12 and 4)."""
-    k = min(k, bucket)
-    return -(-bucket // -(-bucket // k))
 
 
 def _resized(plan: VectorPlan, k: int, n: int) -> VectorPlan:

@@ -43,8 +43,10 @@ from ._ops import twice_differentiable
 from ._planning import (
     COUNTS,
     PLAN_CACHE,
+    RETIME,
     EngineOptions,
     cpu_chunk_cap,
+    even_chunk,
     measure,
     plan_key,
     stopwatch,
@@ -68,14 +70,21 @@ __all__ = ["jacobian_sq_norm", "jacobian_sq_norm_backward"]
 
 #: per-sample gradients a layer-wise chunk keeps in its graph, at most (default chunk size)
 _LAYERWISE_BYTES = 16 * 2**20
-#: samples per vectorised call of the ``hvp`` and ``vmap`` routes by default
+#: samples per vectorised call of the ``hvp`` route by default
 _HVP_CHUNK = 16
+#: samples per vectorised call of the ``vmap`` route by default (32 against 16, at the run's
+#: default: 0.88x the time on an 8-conv CNN, 0.91x on a GELU CNN, 0.73x on a GroupNorm /
+#: depthwise CNN, 0.77x on a small transformer; 2 CPU cores, torch 2.13)
+_VMAP_CHUNK = 32
 #: per-sample gradients a ``vmap`` / ``hvp`` chunk keeps, at most (its default chunk size)
 _VMAP_BYTES = 256 * 2**20
 #: ``auto`` also times the ``vmap`` route at half its chunk when the chunk is at least this
 _HALF_CHUNK_FROM = 8
-#: ``auto`` times the routes within this factor of the fastest a second time
-_RETIME = 1.75
+#: ``auto`` also times ``vmap`` at up to this many times its default chunk (where the samples,
+#: :data:`_VMAP_BYTES` and on CPU :data:`~multiscale_jac._planning.CPU_TENSOR_BYTES` allow):
+#: 64 samples a chunk against 16 took 0.51x the time on a small transformer, 0.58x on a
+#: GroupNorm/depthwise CNN, 0.83x on an 8-conv CNN
+_LARGER = 4
 #: ``auto``: routes timed within this factor of the fastest count as tied
 _TIE = 1.05
 
@@ -121,7 +130,7 @@ def jacobian_sq_norm(
         estimator: ``exact`` or ``hutchinson``.
         num_probes: Probes per sample for ``hutchinson`` (default 8).
         chunk_size: Samples per batched run (``layerwise``; default: per-sample gradients
-            under 16 MiB) or per vectorised call (``vmap``, ``hvp``; default 16).
+            under 16 MiB) or vectorised call (``vmap`` 32, ``hvp`` 16; CPU: under 32 MiB each).
         memory_budget: Bytes of the working set (the gradient included); picks the chunks.
         randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``; value
             and gradient see the same dropout masks (the backward restores the random state
@@ -375,8 +384,8 @@ class _Job:
         ``measure``: always), those routes are timed on the first chunks of the run itself
         (:meth:`_try_routes`): the chunks are part of the job, so timing costs only the
         slower routes' extra time, not a separate probe. Candidates: every method that
-        applies, and ``vmap`` also at half its default chunk (and at twice it, where the
-        samples and memory allow: :meth:`_doubles`). ``layerwise`` is timed (and, chosen,
+        applies, and ``vmap`` also at half its default chunk and at a larger one, where the
+        samples and memory allow (:meth:`_larger`). ``layerwise`` is timed (and, chosen,
         runs) at no more than ``vmap``'s chunk, so that its large default chunk does not
         leave the other routes without samples."""
         if self.requested is not JacNormMethod.AUTO:
@@ -389,21 +398,8 @@ class _Job:
                 "shapes ran before)"
             )
             return
-        routes, extra = [], []
-        for m in self.candidates():
-            with contextlib.suppress(MemoryBudgetError):  # a method over budget: no candidate
-                chunk = self.chunk_for(m)
-                if m is JacNormMethod.LAYERWISE and self._sizing[0] is None:
-                    chunk = min(chunk, self.chunk_for(JacNormMethod.VMAP))
-                routes.append((m, chunk))
-                if m is JacNormMethod.VMAP and chunk >= _HALF_CHUNK_FROM:
-                    routes.append((m, chunk // 2))
-                if m is JacNormMethod.VMAP and self._doubles(chunk):
-                    extra.append((m, 2 * chunk))
         largest = max(len(b.indices) for b in self.packed.buckets())
-        needed = self.chunk_for(self.method) + sum(c for _, c in routes)
-        if extra and largest >= needed + extra[0][1]:  # where the samples allow
-            routes, needed = routes + extra, needed + extra[0][1]
+        routes, needed = self._trial_routes(tune, largest)
         if tune is Tune.ESTIMATE or len(routes) < 2:
             return
         if tune is Tune.AUTO and largest < needed:
@@ -414,17 +410,53 @@ class _Job:
             return
         self.trial = routes
 
-    def _doubles(self, chunk: int) -> bool:
-        """Whether ``vmap`` is also timed at twice its default ``chunk`` (a chunk of 32 was
-        10% faster than 16 on one CNN, 50% slower on another): only with no ``chunk_size``
-        or ``memory_budget`` given, and within the route's default bytes."""
+    def _trial_routes(
+        self, tune: Tune, largest: int
+    ) -> tuple[list[tuple[JacNormMethod, int]], int]:
+        """The ``(method, chunk)`` routes to time and the samples they and the warm-up chunk
+        take. Under ``auto``, where the ``largest`` bucket is short of samples, ``hvp`` and
+        then ``vmap`` at half its chunk are left out (noted); the larger ``vmap`` chunk is
+        timed only on samples left over (:meth:`_larger`)."""
+        routes = []
+        for m in self.candidates():
+            with contextlib.suppress(MemoryBudgetError):  # a method over budget: no candidate
+                chunk = self.chunk_for(m)
+                if m is JacNormMethod.LAYERWISE and self._sizing[0] is None:
+                    chunk = min(chunk, self.chunk_for(JacNormMethod.VMAP))
+                routes.append((m, chunk))
+                if m is JacNormMethod.VMAP and chunk >= _HALF_CHUNK_FROM:
+                    routes.append((m, chunk // 2))
+        needed = self.chunk_for(self.method) + sum(c for _, c in routes)
+        vmap = [c for m, c in routes if m is JacNormMethod.VMAP]
+        spare = [r for r in routes if r[0] is JacNormMethod.HVP]
+        spare += [r for r in routes if r[0] is JacNormMethod.VMAP and r[1] < max(vmap)]
+        left_out = []
+        while tune is Tune.AUTO and largest < needed and spare and len(routes) > 2:
+            route = spare.pop(0)
+            routes.remove(route)
+            needed -= route[1]
+            left_out.append(f"{route[0].value}/{route[1]}")
+        if left_out:
+            self.notes.append(
+                f"tune: {largest} samples in the largest bucket: left out {', '.join(left_out)}"
+            )
+        if vmap and (larger := self._larger(vmap[0], largest, largest - needed)) > vmap[0]:
+            routes, needed = [*routes, (JacNormMethod.VMAP, larger)], needed + larger
+        return routes, needed
+
+    def _larger(self, chunk: int, largest: int, left: int) -> int:
+        """The larger chunk ``vmap`` is also timed at: up to :data:`_LARGER` times its
+        default ``chunk`` and the ``left`` samples of the ``largest`` bucket after the other
+        routes' chunks, splitting the bucket evenly; within the route's default bytes and on
+        CPU :func:`~multiscale_jac._planning.cpu_chunk_cap` (32 samples a chunk ran 1.4x
+        slower than 16 on a 3-conv CNN, where a per-sample gradient crossed it); only with
+        no ``chunk_size`` or ``memory_budget`` given (``chunk`` itself otherwise)."""
         chunk_size, budget, dtype = self._sizing
         if chunk_size is not None or budget is not None:
-            return False
-        cap = self._cpu_cap(JacNormMethod.VMAP, dtype)
-        return 2 * chunk * self._row_grads_bytes(dtype) <= _VMAP_BYTES and (
-            cap is None or 2 * chunk <= cap
-        )
+            return chunk
+        most = min(_LARGER * chunk, left, _VMAP_BYTES // max(1, self._row_grads_bytes(dtype)))
+        most = min(most, self._cpu_cap(JacNormMethod.VMAP, dtype) or most)
+        return chunk if most <= chunk else max(chunk, even_chunk(most, largest))
 
     def _cpu_cap(self, method: JacNormMethod, dtype: torch.dtype) -> int | None:
         """Samples per ``vmap`` / ``hvp`` chunk under :data:`CPU_TENSOR_BYTES` for the
@@ -457,9 +489,10 @@ class _Job:
         rows = max(self.outputs.values())
         if method is JacNormMethod.LAYERWISE:
             default = max(1, _LAYERWISE_BYTES // (4 * max(1, self.subset.numel)))
-        else:  # per-sample gradients of every row under _VMAP_BYTES, at most _HVP_CHUNK
+        else:  # per-sample gradients of every row under _VMAP_BYTES, at most the default
             per_sample = self._row_grads_bytes(dtype)
-            default = min(_HVP_CHUNK, max(1, _VMAP_BYTES // max(1, per_sample)))
+            most = _VMAP_CHUNK if method is JacNormMethod.VMAP else _HVP_CHUNK
+            default = min(most, max(1, _VMAP_BYTES // max(1, per_sample)))
             default = min(default, self._cpu_cap(method, dtype) or default)
         if budget is None:
             return chunk_size or default
@@ -562,7 +595,7 @@ class _Job:
     def _try_routes(self, total: tuple[Tensor, dict[str, Tensor]], done: set[int]) -> None:
         """Run the first chunks of the largest bucket with each route of :attr:`trial` (after
         one warm-up chunk with the estimate's), timing each; then the routes within
-        :data:`_RETIME` of the fastest once more (a route's first chunk of a shape pays
+        :data:`RETIME` of the fastest once more (a route's first chunk of a shape pays
         one-off costs, up to 1.7x its later time on 2 CPU cores: primitives and buffers made
         for the new shapes; and one timed chunk each mis-ordered routes 8% apart); the faster
         of a route's two times counts. Their results go into ``total`` and their samples into
@@ -579,7 +612,7 @@ class _Job:
         for route, timed in [(warm, False), *((r, True) for r in routes)]:
             pool = self._time_chunk(route, timed, bucket, pool, total, done, times)
         best = min(times.values(), default=math.inf)
-        for route in [r for r, t in times.items() if t <= _RETIME * best]:
+        for route in [r for r, t in times.items() if t <= RETIME * best]:
             pool = self._time_chunk(route, True, bucket, pool, total, done, times)
         if times:
             n = len(bucket.indices)  # a route's cost on the bucket: whole chunks, the last one's
@@ -595,7 +628,7 @@ class _Job:
             self.notes.append(
                 "tune: timed chunks of each route on the data: "
                 + ", ".join(f"{m.value}/{c} {t * 1e3:.1f} ms" for (m, c), t in times.items())
-                + f" per sample (the faster of two times within {_RETIME}x of the fastest); "
+                + f" per sample (the faster of two times within {RETIME}x of the fastest); "
                 f"chose {self.method.value!r} with {chunk} samples a chunk"
             )
 

@@ -344,3 +344,47 @@ def test_layerwise_runs_are_freed_after_the_call(monkeypatch) -> None:
     jacobian_sq_norm(model, x, method="layerwise", chunk_size=2).backward()
     gc.collect()
     assert len(runs) == 3 and all(r() is None for r in runs)
+
+
+@pytest.mark.parametrize(
+    ("params", "chunk_size", "vmap_chunk", "hvp_chunk"),
+    [
+        ("*", None, 7, 7),  # 2 rows x 4 MiB of the 512x512 weight per sample: 32 MiB / 4.0
+        ("0.*", None, 32, 7),  # the subset's largest tensor (vmap), every parameter (hvp)
+        ("*", 24, 24, 24),  # a given chunk_size is the user's to choose
+    ],
+    ids=["capped", "subset_of_small_tensors", "chunk_size_given"],
+)
+def test_cpu_chunks_keep_per_sample_tensors_under_32_mib(
+    monkeypatch, params: str, chunk_size: int | None, vmap_chunk: int, hvp_chunk: int
+) -> None:
+    """On CPU the default ``vmap`` / ``hvp`` chunk keeps a chunk's per-sample gradients of
+    one tensor under 32 MiB (glibc maps larger allocations afresh on every call), and so
+    does the larger chunk ``auto`` also times; the value is the one-sample loop's."""
+    from multiscale_jac import jacnorm
+    from multiscale_jac._planning import CPU_TENSOR_BYTES
+
+    jobs = []
+    init = jacnorm._Job.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        jobs.append(self)
+
+    monkeypatch.setattr(jacnorm._Job, "__init__", keep)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh()
+    )
+    model = torch.nn.Sequential(*model, torch.nn.Linear(512, 2)).to(DTYPE)
+    x = torch.randn(9, 3, dtype=DTYPE)
+    with torch.no_grad():
+        got = jacobian_sq_norm(model, x, params=[params], chunk_size=chunk_size, tune="estimate")
+        ref = jacobian_sq_norm(model, x, params=[params], method="vmap", chunk_size=1)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-12)
+    job = jobs[0]
+    assert job.chunk_for(mj.JacNormMethod.VMAP) == vmap_chunk
+    assert job.chunk_for(mj.JacNormMethod.HVP) == hvp_chunk
+    per_sample = max(job.fn.params[n].numel() for n in job.mask) * 2 * 8  # rows x float64
+    larger = job._larger(vmap_chunk, 400, 400)
+    assert larger == vmap_chunk if chunk_size else larger * per_sample < CPU_TENSOR_BYTES

@@ -224,29 +224,37 @@ def _jacnorm_jobs(monkeypatch) -> list:
     return jobs
 
 
-def test_jacobian_norm_default_chunks_time_every_route_twice(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("n", "timed_routes", "left_out"),
+    [
+        (200, ["layerwise/32", "vmap/32", "vmap/16", "hvp/16", "vmap/67"], None),
+        (110, ["layerwise/32", "vmap/32"], "left out hvp/16, vmap/16"),
+    ],
+    ids=["every_route_and_a_larger_chunk", "short_bucket_leaves_routes_out"],
+)
+def test_jacobian_norm_default_chunks_time_every_route_twice(
+    monkeypatch, n: int, timed_routes: list[str], left_out: str | None
+) -> None:
     """With default chunks, ``layerwise`` (whose own default chunk would take most of the
-    samples) is timed at ``vmap``'s chunk, every route is timed, the routes near the fastest
-    a second time (``probe`` counts both), and the chunks stay counted exactly once."""
+    samples) is timed at ``vmap``'s chunk, every route the samples allow is timed (``vmap``
+    also at a larger chunk from the samples left over: 72 of 200, split evenly: 67), the
+    routes near the fastest a second time (``probe`` counts both), and the chunks stay
+    counted exactly once; with fewer samples ``hvp`` and the half ``vmap`` chunk go first."""
     jobs = _jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     model = model.to(DTYPE)
-    x = torch.randn(110, 4, dtype=DTYPE)
+    x = torch.randn(n, 4, dtype=DTYPE)
     ref = mj.jacobian_sq_norm(model, x, method="hvp")
     probed = _counts()[2]
     got = mj.jacobian_sq_norm(model, x)
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
     (note,) = [n for n in jobs[-1].notes if n.startswith("tune: timed chunks")]
     timed = note.split(": ", 2)[2].split(" per sample")[0].split(", ")
-    assert [t.rsplit(" ", 2)[0] for t in timed] == [
-        "layerwise/16",
-        "vmap/16",
-        "vmap/8",
-        "hvp/16",
-        "vmap/32",
-    ], note
+    assert [t.rsplit(" ", 2)[0] for t in timed] == timed_routes, note
     assert _counts()[2] >= probed + len(timed) + 1  # the fastest re-timed at least
+    short = [n for n in jobs[-1].notes if "left out" in n]
+    assert (short[0].split(": ", 2)[2] if short else None) == left_out, jobs[-1].notes
 
 
 @pytest.mark.parametrize("case_id", ["fpn_scale_ragged", "seed_convblock_levels"])
@@ -370,9 +378,10 @@ def test_diag_fisher_tune_leaves_the_random_state(monkeypatch) -> None:
     torch.testing.assert_close(after, after_ref, atol=0, rtol=0)
 
 
-def test_jacobian_norm_ties_go_to_the_smallest_chunk(monkeypatch) -> None:
+def test_jacobian_norm_ties_go_to_the_largest_chunk(monkeypatch) -> None:
     """Routes the timing cannot tell apart (here: every chunk takes the same time per sample)
-    go to the one with the smallest chunk, the smallest working set."""
+    go to the one with the largest chunk, the fewest vectorised calls (192 samples: 128 for
+    the warm-up chunk and the routes' chunks, ``vmap`` also timed at 64 on the rest)."""
     import contextlib
 
     from multiscale_jac import jacnorm
@@ -390,7 +399,8 @@ def test_jacobian_norm_ties_go_to_the_smallest_chunk(monkeypatch) -> None:
         run = route(self, method)
 
         def call(with_grad, chunks):
-            seen.append(chunks[0][1])
+            chunks = list(chunks)
+            seen.extend(c[1] for c in chunks[:1])  # none left: the tune's took every sample
             return run(with_grad, chunks)
 
         return call
@@ -400,9 +410,9 @@ def test_jacobian_norm_ties_go_to_the_smallest_chunk(monkeypatch) -> None:
     jobs = _jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
-    x = torch.randn(110, 4, dtype=DTYPE)
+    x = torch.randn(192, 4, dtype=DTYPE)
     mj.jacobian_sq_norm(model.to(DTYPE), x).backward()
-    assert jobs[-1].notes[-1].endswith("chose 'vmap' with 8 samples a chunk"), jobs[-1].notes
+    assert jobs[-1].notes[-1].endswith("chose 'vmap' with 64 samples a chunk"), jobs[-1].notes
 
 
 @pytest.mark.parametrize(
