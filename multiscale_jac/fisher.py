@@ -51,7 +51,15 @@ from ._likelihood import (
     labels_from_noise,
     nll_sum,
 )
-from ._planning import COUNTS, PLAN_CACHE, EngineOptions, measure, plan_key, stopwatch
+from ._planning import (
+    COUNTS,
+    PLAN_CACHE,
+    EngineOptions,
+    cpu_chunk_cap,
+    measure,
+    plan_key,
+    stopwatch,
+)
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from .adapter import PerSampleFunction
 from .engine import run_engine
@@ -80,7 +88,9 @@ from .subset import ParamSubset
 __all__ = ["DiagFisherResult", "diag_fisher"]
 
 #: samples per vectorised call of the ``vmap`` route when neither ``chunk_size`` nor
-#: ``memory_budget`` says otherwise
+#: ``memory_budget`` says otherwise (on CPU fewer where one tensor's per-sample gradients
+#: would take 32 MiB: :func:`~multiscale_jac._planning.cpu_chunk_cap`; on the strided tanh CNN,
+#: 15 samples a call took 0.35-0.5x the time of 32)
 _VMAP_CHUNK = 32
 #: ``method="auto"`` times layer-wise against ``vmap`` on batches of this many samples
 MIN_TUNE_SAMPLES = 16
@@ -424,9 +434,11 @@ class _FisherRun:
         """Samples per layer-wise run and per vectorised call, from ``chunk_size`` or
         ``memory_budget`` (checked against one sample's measured working set)."""
         opts = self.opts
-        if opts.memory_budget is None:
-            return opts.chunk, opts.chunk or _VMAP_CHUNK
         values = fn.values()
+        if opts.memory_budget is None:  # on CPU, a chunk's gradients of one tensor < 32 MiB
+            largest = max(v.numel() for v in values) * values[0].element_size()
+            cap = cpu_chunk_cap(fn.device, largest) or _VMAP_CHUNK
+            return opts.chunk, opts.chunk or min(_VMAP_CHUNK, cap)
         itemsize = values[0].element_size()
         kept = 3 * self.subset.numel * itemsize  # the accumulators and the result
         fp = measure(fn, values, tuple(packed.sample(packed.largest_sample)))

@@ -208,3 +208,36 @@ def test_train_mode_batch_norm_runs_with_running_statistics(kind: str) -> None:
         diag_fisher(train, data, kind=kind, progress=False)
     got = diag_fisher(train, data, kind=kind, batch_norm="eval", progress=False).flat
     torch.testing.assert_close(got, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("chunk_size", "step"),
+    [(None, 15), (24, 24)],
+    ids=["capped_on_cpu", "chunk_size_given"],
+)
+def test_vmap_chunks_keep_per_sample_gradients_under_32_mib(
+    monkeypatch, chunk_size: int | None, step: int
+) -> None:
+    """On CPU the ``vmap`` route's default call keeps one tensor's per-sample gradients under
+    32 MiB (a 512x512 float64 weight, 2 MiB a sample: 15 samples, not 32); a given
+    ``chunk_size`` is kept; the sums match the one-sample loop."""
+    from multiscale_jac import fisher
+
+    steps = []
+    chunk = fisher._FisherRun._vmap_chunk
+
+    def spy(self, fn, levels, y, noise, n):
+        steps.append(n)
+        return chunk(self, fn, levels, y, noise, n)
+
+    monkeypatch.setattr(fisher._FisherRun, "_vmap_chunk", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh()
+    )
+    model = torch.nn.Sequential(*model, torch.nn.Linear(512, 4)).to(DTYPE)
+    data = [(torch.randn(40, 3, dtype=DTYPE), torch.randint(0, 4, (40,)))]
+    got = diag_fisher(model, data, method="vmap", chunk_size=chunk_size)
+    assert set(steps) == {step}
+    ref = diag_fisher(model, data, method="vmap", chunk_size=1)
+    torch.testing.assert_close(got.flat, ref.flat, atol=TOL, rtol=0)
