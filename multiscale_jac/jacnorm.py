@@ -338,8 +338,27 @@ class _Job:
         if self.randomness is not Randomness.ERROR:
             cuda = torch.cuda.get_rng_state(self.fn.device) if self.devices else None
             self.rng_state = (torch.get_rng_state(), cuda)
+        self._fit_budget()  # a budget too small for every route: raised here
         self.tune(tune)
-        self.chunk_for(self.method)  # a budget too small for the route: raised here
+
+    def _fit_budget(self) -> None:
+        """Under ``auto``, where ``memory_budget`` leaves the chosen route no chunk, the first
+        candidate it does (noted); raises :class:`MemoryBudgetError` where none fits."""
+        try:
+            self.chunk_for(self.method)
+            return
+        except MemoryBudgetError:
+            if self.requested is not JacNormMethod.AUTO:
+                raise
+            for m in self.candidates():
+                with contextlib.suppress(MemoryBudgetError):
+                    self.chunk_for(m)
+                    self.notes.append(
+                        f"memory_budget: {self.method.value!r} does not fit it; ran {m.value!r}"
+                    )
+                    self.method = m
+                    return
+            raise
 
     def _choose(
         self, prep: Prepared, method: JacNormMethod
@@ -429,7 +448,7 @@ class _Job:
         needed = self.chunk_for(self.method) + sum(c for _, c in routes)
         vmap = [c for m, c in routes if m is JacNormMethod.VMAP]
         spare = [r for r in routes if r[0] is JacNormMethod.HVP]
-        spare += [r for r in routes if r[0] is JacNormMethod.VMAP and r[1] < max(vmap)]
+        spare += [r for r in routes if r[0] is JacNormMethod.VMAP and r[1] < max(vmap, default=0)]
         left_out = []
         while tune is Tune.AUTO and largest < needed and spare and len(routes) > 2:
             route = spare.pop(0)
@@ -596,7 +615,7 @@ class _Job:
         """Run the first chunks of the largest bucket with each route of :attr:`trial` (after
         one warm-up chunk with the estimate's), timing each; then the routes within
         :data:`RETIME` of the fastest once more (a route's first chunk of a shape pays
-        one-off costs, up to 1.7x its later time on 2 CPU cores: primitives and buffers made
+        one-off costs, up to 2x its later time on 2 CPU cores: primitives and buffers made
         for the new shapes; and one timed chunk each mis-ordered routes 8% apart); the faster
         of a route's two times counts. Their results go into ``total`` and their samples into
         ``done``. The fastest route over the bucket in whole chunks (of those within

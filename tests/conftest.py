@@ -96,3 +96,18 @@ def _deterministic_routes(monkeypatch):
     # tune="auto" times routes only on buckets of MIN_PROBE_BATCH samples; "measure" always
     monkeypatch.setattr(multiscale_jac.engine, "MIN_PROBE_BATCH", 10**9)
     monkeypatch.setattr(multiscale_jac.fisher, "MIN_TUNE_SAMPLES", 10**9)
+
+
+def jacnorm_jobs(monkeypatch) -> list:
+    """The ``jacobian_sq_norm`` jobs created from here on (for their notes)."""
+    from multiscale_jac import jacnorm
+
+    jobs: list = []
+    init = jacnorm._Job.__init__
+
+    def keep(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        jobs.append(self)
+
+    monkeypatch.setattr(jacnorm._Job, "__init__", keep)
+    return jobs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import DTYPE, make_subset
-from conftest import CASE_BY_ID, zoo_model
+from conftest import CASE_BY_ID, jacnorm_jobs, zoo_model
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import multiscale_jac as mj
@@ -361,17 +361,9 @@ def test_cpu_chunks_keep_per_sample_tensors_under_32_mib(
     """On CPU the default ``vmap`` / ``hvp`` chunk keeps a chunk's per-sample gradients of
     one tensor under 32 MiB (glibc maps larger allocations afresh on every call), and so
     does the larger chunk ``auto`` also times; the value is the one-sample loop's."""
-    from multiscale_jac import jacnorm
     from multiscale_jac._planning import CPU_TENSOR_BYTES
 
-    jobs = []
-    init = jacnorm._Job.__init__
-
-    def keep(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        jobs.append(self)
-
-    monkeypatch.setattr(jacnorm._Job, "__init__", keep)
+    jobs = jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(3, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh()
@@ -388,3 +380,30 @@ def test_cpu_chunks_keep_per_sample_tensors_under_32_mib(
     per_sample = max(job.fn.params[n].numel() for n in job.mask) * 2 * 8  # rows x float64
     larger = job._larger(vmap_chunk, 400, 400)
     assert larger == vmap_chunk if chunk_size else larger * per_sample < CPU_TENSOR_BYTES
+
+
+def test_auto_with_a_budget_only_layerwise_fits(monkeypatch) -> None:
+    """A ``memory_budget`` that ``vmap`` (and ``hvp``) cannot meet but ``layerwise`` can:
+    ``auto`` runs layer-wise (noted) with no route left to time against, exact."""
+    jobs = jacnorm_jobs(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.Tanh(), torch.nn.Linear(64, 6))
+    model = model.to(DTYPE)
+    x = torch.randn(12, 3, dtype=DTYPE)
+    budget = None
+    for b in (2**k for k in range(12, 24)):
+        try:
+            jacobian_sq_norm(model, x, method="layerwise", memory_budget=b)
+        except mj.MemoryBudgetError:
+            continue
+        with pytest.raises(mj.MemoryBudgetError):
+            jacobian_sq_norm(model, x, method="vmap", memory_budget=b)
+        budget = b
+        break
+    if budget is None:
+        pytest.skip("no budget between layerwise's and vmap's working sets on this platform")
+    got = jacobian_sq_norm(model, x, memory_budget=budget, tune="measure")
+    assert jobs[-1].method is mj.JacNormMethod.LAYERWISE
+    assert "memory_budget: 'vmap' does not fit it; ran 'layerwise'" in jobs[-1].notes
+    ref = jacobian_sq_norm(model, x, method="hvp")
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-12)

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 from cases import DTYPE
-from conftest import CASE_BY_ID
+from conftest import CASE_BY_ID, jacnorm_jobs
 
 import multiscale_jac as mj
 from multiscale_jac.models import ConvBlock
@@ -209,21 +209,6 @@ def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
     assert _counts()[2] == probed and mj.plan_cache_info().size == 0
 
 
-def _jacnorm_jobs(monkeypatch) -> list:
-    """The ``jacobian_sq_norm`` jobs created from here on (for their notes)."""
-    from multiscale_jac import jacnorm
-
-    jobs: list = []
-    init = jacnorm._Job.__init__
-
-    def keep(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        jobs.append(self)
-
-    monkeypatch.setattr(jacnorm._Job, "__init__", keep)
-    return jobs
-
-
 @pytest.mark.parametrize(
     ("n", "timed_routes", "left_out"),
     [
@@ -240,7 +225,7 @@ def test_jacobian_norm_default_chunks_time_every_route_twice(
     also at a larger chunk from the samples left over: 72 of 200, split evenly: 67), the
     routes near the fastest a second time (``probe`` counts both), and the chunks stay
     counted exactly once; with fewer samples ``hvp`` and the half ``vmap`` chunk go first."""
-    jobs = _jacnorm_jobs(monkeypatch)
+    jobs = jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     model = model.to(DTYPE)
@@ -407,7 +392,7 @@ def test_jacobian_norm_ties_go_to_the_largest_chunk(monkeypatch) -> None:
 
     monkeypatch.setattr(jacnorm, "stopwatch", same_rate)
     monkeypatch.setattr(jacnorm._Job, "_route", spy)
-    jobs = _jacnorm_jobs(monkeypatch)
+    jobs = jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     x = torch.randn(192, 4, dtype=DTYPE)
