@@ -124,7 +124,7 @@ CPU_TENSOR_BYTES = 32 * 2**20
 
 #: ``tune``: routes timed within this factor of the fastest are timed once more, the faster
 #: time counting: a route's first vectorised call at a new size paid up to 2.7x its later time
-#: (``jacobian_sq_norm``'s ``hvp``: 4x, left out)
+#: (once 4x: ``jacobian_sq_norm``'s ``hvp`` on an 8-conv CNN, slowest by far either way)
 RETIME = 3.0
 
 

@@ -175,7 +175,8 @@ def diag_fisher(
             :func:`~multiscale_jac.pack`).
         chunk_size: Samples per batched run (``layerwise``; default: a whole shape bucket, as a
             training step would run it, or what ``memory_budget`` allows; ``auto`` times runs
-            of 32 and of up to 128 samples) or per vectorised call (``vmap``; default 32).
+            of 32 and of up to 128 samples) or per vectorised call (``vmap``; default 32, on CPU
+            fewer where one tensor's per-sample gradients would take 32 MiB).
         memory_budget: Bytes of the call's working set, the accumulators included.
         randomness: ``error``, ``different`` or ``same`` for random ops such as dropout in
             train mode, as in ``torch.func.vmap``.
