@@ -435,11 +435,12 @@ class _FisherRun:
         """Samples per layer-wise run and per vectorised call, from ``chunk_size`` or
         ``memory_budget`` (checked against one sample's measured working set)."""
         opts = self.opts
-        values = fn.values()
         if opts.memory_budget is None:  # on CPU, a chunk's gradients of one tensor < 32 MiB
-            largest = max(v.numel() for v in values) * values[0].element_size()
+            itemsize = fn.params[fn.subset.names[0]].element_size()
+            largest = max(hi - lo for lo, hi in fn.subset.offsets.values()) * itemsize
             cap = cpu_chunk_cap(fn.device, largest) or _VMAP_CHUNK
             return opts.chunk, opts.chunk or min(_VMAP_CHUNK, cap)
+        values = fn.values()
         itemsize = values[0].element_size()
         kept = 3 * self.subset.numel * itemsize  # the accumulators and the result
         fp = measure(fn, values, tuple(packed.sample(packed.largest_sample)))

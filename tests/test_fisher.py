@@ -241,3 +241,9 @@ def test_vmap_chunks_keep_per_sample_gradients_under_32_mib(
     assert set(steps) == {step}
     ref = diag_fisher(model, data, method="vmap", chunk_size=1)
     torch.testing.assert_close(got.flat, ref.flat, atol=TOL, rtol=0)
+    (x, y), kind_in = data[0], mj.InputKind.TENSOR
+    samples, targets = [[x[i]] for i in range(len(x))], list(y)
+    loop = loop_fisher(
+        model, samples, kind_in, targets, mj.ParamSubset.all(model), "classification", "empirical"
+    )
+    torch.testing.assert_close(got.flat, loop, atol=TOL, rtol=0)  # the plain autograd loop

@@ -374,6 +374,8 @@ def test_cpu_chunks_keep_per_sample_tensors_under_32_mib(
         got = jacobian_sq_norm(model, x, params=[params], chunk_size=chunk_size, tune="estimate")
         ref = jacobian_sq_norm(model, x, params=[params], method="vmap", chunk_size=1)
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-12)
+    loop = mj.reference.per_sample_jacobian_loop(model, x, params=[params]).jacobian
+    torch.testing.assert_close(got, (loop**2).sum(), atol=1e-10, rtol=1e-12)
     job = jobs[0]
     assert job.chunk_for(mj.JacNormMethod.VMAP) == vmap_chunk
     assert job.chunk_for(mj.JacNormMethod.HVP) == hvp_chunk
@@ -407,3 +409,5 @@ def test_auto_with_a_budget_only_layerwise_fits(monkeypatch) -> None:
     assert "memory_budget: 'vmap' does not fit it; ran 'layerwise'" in jobs[-1].notes
     ref = jacobian_sq_norm(model, x, method="hvp")
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-12)
+    loop = mj.reference.per_sample_jacobian_loop(model, x).jacobian
+    torch.testing.assert_close(got.detach(), (loop**2).sum(), atol=1e-10, rtol=1e-12)
