@@ -144,6 +144,24 @@ def pairs(names: str) -> list[Any]:
     return [*named(torch, names), *named(torch.Tensor, names)]
 
 
+#: Tensor methods whose tensor arguments after ``self`` only lend a dtype, device or shape (a
+#: template): the output's data, so its region, come from ``self`` alone
+TEMPLATE_OPS = frozenset(named(torch.Tensor, "type_as to view_as reshape_as expand_as"))
+#: Tensor methods that make a new tensor of a given size, taking only dtype and device from
+#: ``self``: no data operand, so never tracked
+NEW_OPS = frozenset(named(torch.Tensor, "new_zeros new_ones new_full new_empty new_tensor"))
+
+
+def data_operands(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors whose values reach ``func``'s output (:func:`tensors`, less the templates of
+    :data:`TEMPLATE_OPS` and the ``self`` of :data:`NEW_OPS`)."""
+    if func in NEW_OPS:
+        return []
+    if func in TEMPLATE_OPS:
+        return [args[0]] if args and isinstance(args[0], Tensor) else []
+    return list(tensors(args, kwargs))
+
+
 #: pure elementwise activations (out of place), shared with the structured forward pass
 #: (``entries``), which keeps a pending tangent through them
 ACTIVATIONS = [
@@ -262,6 +280,10 @@ def require_more_than_one(counts: Tensor, func: Any, context: str, unit: str) ->
 
 
 # ---------------------------------------------------------------------- rule modes
+#: the attribute an error raised inside a rule mode gets: the op and module it was raised at
+AT = "multiscale_jac_at"
+
+
 class RuleMode(TorchFunctionMode):
     """A ``TorchFunctionMode`` that runs every op touching a tracked tensor by its rule.
 
@@ -334,29 +356,42 @@ class RuleMode(TorchFunctionMode):
         return self.rezero(out, region)
 
     def unsupported(self, func: Any, reason: str) -> UnsupportedOpError:
-        """The error for ``func``, naming the innermost module of the model whose method is
-        running (found by walking the stack)."""
-        frame, module = sys._getframe(1), None
+        """The error for ``func``, naming where it ran (:meth:`where`)."""
+        return UnsupportedOpError(*self.where(func), reason, context=self.context)
+
+    def where(self, func: Any) -> tuple[str, str | None]:
+        """``func``'s name and the innermost module of the model whose method is running
+        (found by walking the stack; ``None`` if none)."""
+        name = "" if func is None else op_name(func)
+        frame = sys._getframe(1)
         while frame is not None:
             obj = frame.f_locals.get("self")
             if isinstance(obj, nn.Module) and id(obj) in self._module_names:
-                module = self._module_names[id(obj)] or self.root
-                break
+                return name, self._module_names[id(obj)] or self.root
             frame = frame.f_back
-        return UnsupportedOpError(op_name(func), module, reason, context=self.context)
+        return name, None
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func not in self.untracked and not any(
-            self.region(t) is not None for t in tensors(args, kwargs)
-        ):
-            return func(*args, **kwargs)
-        rule = self.rules.get(func)
-        if rule is not None:
-            return rule(self, func, args, kwargs)
-        out = func(*args, **kwargs)
+        try:
+            if func not in self.untracked and not any(
+                self.region(t) is not None for t in data_operands(func, args, kwargs)
+            ):
+                return func(*args, **kwargs)
+            rule = self.rules.get(func)
+            if rule is not None:
+                return rule(self, func, args, kwargs)
+            out = func(*args, **kwargs)
+        except UnsupportedOpError:
+            raise
+        except Exception as err:
+            # the innermost op names where the run failed (notes and fallbacks say it)
+            if not hasattr(err, AT):
+                op, module = self.where(func)
+                setattr(err, AT, op + (f" in module {module!r}" if module else ""))
+            raise
         if any(True for _ in tensors((out,), {})):
             raise self.unsupported(func, self.no_rule)
         return out  # shape/dtype queries and the like

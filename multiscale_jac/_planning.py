@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._ops import AT
 from .adapter import PerSampleFunction
 from .entries import NotStructuredError, entry_call, entry_names
 from .enums import Entries, MemoryBudgetError, Mode, Randomness, Strategy, Tune
@@ -706,9 +707,12 @@ def span_tensor(subset: ParamSubset, span: tuple[int, int]) -> str | None:
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of an error's message (at most 200 characters), for notes."""
+    """The first line of an error's message (at most 200 characters), for notes, and where it
+    was raised if a rule mode recorded it (``at Tensor.view in module 'head'``)."""
     text = str(err).strip().splitlines()
-    return text[0][:200] if text else ""
+    line = text[0][:200] if text else ""
+    at = getattr(err, AT, None)
+    return f"{line} (at {at})" if at else line
 
 
 # ---------------------------------------------------------------------- the plan cache

@@ -9,7 +9,8 @@ flattened. Outputs may be a tensor or a (nested) list/tuple/dict of tensors, fla
 leaf in order.
 
 The model itself is never changed: parameters are substituted with
-``torch.func.functional_call`` and buffers are used as they are.
+``torch.func.functional_call``, buffers are used as they are, and the instance attributes a
+module's forward writes (caches, counters) are put back after every run (:mod:`._state`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from ._ops import SIGNATURES, bind_call, bind_op
+from ._state import ModuleState
 from .enums import InputKind
 from .packing import Structure
 from .subset import ParamSubset
@@ -96,6 +98,7 @@ class PerSampleFunction:
             n: (None if i is None else i.to(self._base[n].device))
             for n, i in subset.indices.items()
         }
+        self._state = ModuleState(model)
 
     @property
     def params(self) -> dict[str, Tensor]:
@@ -175,7 +178,10 @@ class PerSampleFunction:
         if self.eval_batch_norm:
             params.update((n, b.clone()) for n, b in self._bn_counters.items())
             stack.enter_context(_EvalBatchNormMode())
-        out = functional_call(self.model, params, (arg,)) if params else self.model(arg)
+        # inside the transform: nothing it wraps stays on the user's modules
+        out = self._state.run(
+            lambda: functional_call(self.model, params, (arg,)) if params else self.model(arg)
+        )
         return self.output_fn(out) if self.output_fn is not None else out
 
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:

@@ -15,6 +15,7 @@ __all__ = [
     "Entries",
     "Estimator",
     "FallbackWarning",
+    "ModuleStateWarning",
     "FisherKind",
     "FisherMethod",
     "HessianKind",
@@ -295,6 +296,11 @@ class LayerRule(_StrEnum):
 
 class FallbackWarning(UserWarning):
     """Emitted when the engine runs a different strategy than the one requested."""
+
+
+class ModuleStateWarning(UserWarning):
+    """A module's forward wrote attributes (a cache, a counter) that the per-sample runs put
+    back, so that the model is left as found; shown once per module and attributes."""
 
 
 class UnsupportedOpError(ValueError):

@@ -34,12 +34,12 @@ from ._ops import (
     RuleMode,
     avg_divisor,
     bind_op,
+    data_operands,
     ntuple,
     numeric_padding,
     op_name,
     pool_args,
     require_more_than_one,
-    tensors,
     with_input,
 )
 from .enums import FallbackWarning, UnsupportedOpError
@@ -320,7 +320,7 @@ def _common_boxes(mode: CanvasMode, func: Any, operands: Sequence[Tensor]) -> li
 
 @CanvasMode.rule(*UNARY, *BINARY, *SINGULAR, F.batch_norm)
 def _elementwise(mode: CanvasMode, func: Any, args: tuple, kwargs: dict) -> Any:
-    operands = list(tensors(args, kwargs))
+    operands = data_operands(func, args, kwargs)
     boxes = _common_boxes(mode, func, operands)
     if func is F.batch_norm and bind_op("batch_norm", args, kwargs)["training"]:
         raise mode.unsupported(

@@ -39,6 +39,7 @@ from ._ops import (
     avg_divisor,
     bind_call,
     bind_op,
+    data_operands,
     named,
     ntuple,
     op_name,
@@ -48,6 +49,7 @@ from ._ops import (
     tensors,
     with_input,
 )
+from ._sizes import PaddedNumber, PaddedSize, has_padded, make_number, plain
 from .enums import UnsupportedOpError
 
 __all__ = ["MaskedMode", "PaddedFunction", "Region", "SUPPORTED_OPS", "UnsupportedOpError"]
@@ -215,33 +217,95 @@ class MaskedMode(RuleMode):
             out, Region.box(sizes, out.shape[-nsp:], range(out.dim() - nsp, out.dim()))
         )
 
+    # -------------------------------------------------------------- sizes
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        kind = _SIZE_READS.get(func)
+        if kind is not None:
+            return _read_size(self, kind, func, args, kwargs)
+        if has_padded(args, kwargs):
+            return _sized_call(self, func, types, args, kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def number(self, value: int | float, per_sample: Tensor | None) -> Any:
+        """``value`` as a :class:`~multiscale_jac._sizes.PaddedSize` with every sample's own
+        ``per_sample`` ``(N,)`` (a plain number where they all agree)."""
+        return value if per_sample is None else make_number(value, per_sample, self)
+
+    def scalar(self, number: Any, like: Tensor | None) -> Any:
+        """A padded number as this sample's value: a 0-d tensor (batched under ``vmap``) of
+        the dtype a Python number of its kind gets against ``like``; other values as they are."""
+        if not isinstance(number, PaddedNumber):
+            return number
+        floating = isinstance(number, float)
+        if like is not None and (not floating or like.is_floating_point() or like.is_complex()):
+            dtype = like.dtype
+        else:
+            dtype = torch.get_default_dtype() if floating else torch.int64
+        device = like.device if like is not None else number.per_sample.device
+        return self.row(number.per_sample.to(device=device, dtype=dtype))
+
+    def diverged(self, what: str, reason: str) -> UnsupportedOpError:
+        """The error for a size read from a padded tensor that decides something per sample
+        (:mod:`~multiscale_jac._sizes`)."""
+        return UnsupportedOpError(what, self.where(None)[1], reason, context=self.context)
+
 
 # ---------------------------------------------------------------------- elementwise
 def _common_region(
     mode: MaskedMode, func: Any, operands: Sequence[Tensor], out_ndim: int
 ) -> Region | None:
-    """The one region every tracked tensor has (dims aligned for broadcasting), else raise."""
-    found: Region | None = None
+    """The region of an elementwise result: the one region every tracked operand has (dims
+    aligned for broadcasting), or boxes over different dims joined where the operands
+    broadcast (a ``(W,)`` coordinate row against a ``(C, H, W)`` map); else raise."""
+    found: list[tuple[Tensor, Region]] = []
     for t in operands:
         r = mode.region(t)
         if r is None:
             continue
         shift = out_ndim - t.dim()
-        r = r.moved(lambda d, s=shift: d + s) if shift else r
-        if found is None:
-            found = r
-        elif not found.same_as(r):
-            raise mode.unsupported(
-                func,
-                "its tensor inputs have different valid regions per sample (the unpadded "
-                "model would combine tensors of different shapes)",
-            )
-    return found
+        found.append((t, r.moved(lambda d, s=shift: d + s) if shift else r))
+    if not found:
+        return None
+    first = found[0][1]
+    if all(first.same_as(r) for _, r in found[1:]):
+        return first
+    joined = _joined_boxes(found, out_ndim)
+    if joined is None:
+        raise mode.unsupported(
+            func,
+            "its tensor inputs have different valid regions per sample (the unpadded "
+            "model would combine tensors of different shapes)",
+        )
+    return joined
+
+
+def _joined_boxes(found: list[tuple[Tensor, Region]], out_ndim: int) -> Region | None:
+    """One box from boxes that agree where they share a dim, each other dim constrained by
+    one operand only while the other tracked operands broadcast along it (extent 1)."""
+    if any(r.ordered or r.sizes is None for _, r in found):
+        return None
+    sizes: dict[int, Tensor] = {}
+    extent: dict[int, int] = {}
+    for _, r in found:
+        for k, d in enumerate(r.dims):
+            if d in sizes and not torch.equal(sizes[d], r.sizes[:, k]):
+                return None
+            sizes[d], extent[d] = r.sizes[:, k], r.extent[k]
+    for t, r in found:
+        shift = out_ndim - t.dim()
+        for d in sizes:
+            if d not in r.dims and d >= shift and t.shape[d - shift] != 1:
+                return None  # real all along a dim another operand pads: shapes differ
+    dims = sorted(sizes)
+    return Region.box(torch.stack([sizes[d] for d in dims], 1), [extent[d] for d in dims], dims)
 
 
 @MaskedMode.rule(*UNARY, *BINARY, *SINGULAR)
 def _elementwise(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Any:
-    operands = list(tensors(args, kwargs))
+    operands = data_operands(func, args, kwargs)
     if func in SAVES_OUTPUT_INPLACE:
         raise mode.unsupported(
             func,
@@ -1167,6 +1231,256 @@ def _masked_fill_(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Ten
     """In place, as ``masked_fill``; ``nn.MultiheadAttention`` turns a bool ``key_padding_mask``
     into a float one with it."""
     return _elementwise(mode, func, args, kwargs)
+
+
+# ---------------------------------------------------------------------- sizes read from padding
+_SIZE_READS: dict[Any, str] = {
+    Tensor.shape.__get__: "shape",
+    Tensor.size: "shape",
+    Tensor.numel: "numel",
+    torch.numel: "numel",
+    Tensor.__len__: "len",
+}
+
+
+def _read_size(mode: MaskedMode, kind: str, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``x.shape``, ``x.size()``, ``x.numel()``, ``len(x)``: padded dims of a tracked ``x``
+    answer with a :class:`~multiscale_jac._sizes.PaddedSize` (see :mod:`._sizes`)."""
+    out = func(*args, **kwargs)
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    region = mode.region(x)
+    if region is None:
+        return out
+    if kind == "numel":
+        rest = math.prod(n for d, n in enumerate(x.shape) if d not in region.dims)
+        count = region.table.flatten(1).sum(1) * rest
+        return mode.number(out, count)
+    if kind == "len":  # Python makes len() a plain int: refuse where samples differ
+        own = _own_extent(region, 0)
+        if own is not None and bool((own != out).any()):
+            raise mode.unsupported(func, "len() of a padded dim (every sample has its own)")
+        return out
+    if isinstance(out, int):  # x.size(dim)
+        dim = args[1] if len(args) > 1 else kwargs["dim"]
+        return mode.number(out, _own_extent(region, dim % x.dim()))
+    return torch.Size([mode.number(n, _own_extent(region, d)) for d, n in enumerate(out)])
+
+
+def _own_extent(region: Region, d: int) -> Tensor | None:
+    """Every sample's own extent along dim ``d`` ``(N,)`` (its real elements along a line;
+    ``None``: not padded)."""
+    if d not in region.dims:
+        return None
+    k = region.dims.index(d)
+    if region.sizes is not None:
+        return region.sizes[:, k]
+    count = region.table.sum(dim=1 + k)
+    return count.flatten(1).amax(1) if count.dim() > 1 else count
+
+
+#: ops whose size arguments describe their input's own shape or a layout of it: they see the
+#: padded extents and their rules work from the regions (``expand`` also gets a box along
+#: the dims it creates)
+_SHAPE_ARGS = {
+    *pairs("reshape flatten unflatten"),
+    *named(torch.Tensor, "view expand"),
+    F.layer_norm,
+    F.rms_norm,
+    torch.layer_norm,
+    torch.rms_norm,
+    F.interpolate,  # its rule refuses size= with its own reason
+}
+_FILLS = {f: 0 for f in named(torch, "zeros ones empty rand randn")}
+_FILLS.update({f: 1 for f in named(torch.Tensor, "new_zeros new_ones new_empty")})
+_FILLS.update({torch.full: 0, torch.Tensor.new_full: 1})  # the size follows ``self``
+
+
+def _sized_call(mode: MaskedMode, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """An op given a size read from a padded tensor (:mod:`._sizes`): as a shape, as every
+    sample's own number, as the extent of a new tensor, or refused."""
+    if func in _SHAPE_ARGS:
+        out = RuleMode.__torch_function__(mode, func, types, plain(args), plain(kwargs))
+        return _expanded(mode, args, out) if func is torch.Tensor.expand else out
+    if func in _FILLS:
+        return _filled(mode, func, args, kwargs)
+    if func is torch.arange:
+        return _arange(mode, func, args, kwargs)
+    if func is torch.linspace:
+        return _linspace(mode, args, kwargs)
+    if func in _GLOBAL_POOLS and _is_global_pool(mode, func, args, kwargs):
+        x = bind_op("max_pool" if func in _MAX_POOLS else "avg_pool", args, kwargs)["input"]
+        nsp = _NSP[func]
+        kind = "amax" if func in _MAX_POOLS else "mean"
+        return _reduce_impl(mode, func, x, tuple(range(x.dim() - nsp, x.dim())), True, kind)
+    if mode.rules.get(func) is _elementwise:
+        like = next(iter(tensors(args, kwargs)), None)
+        args = tuple(mode.scalar(a, like) for a in args)
+        kwargs = {k: mode.scalar(v, like) for k, v in kwargs.items()}
+        if not has_padded(args, kwargs):
+            return RuleMode.__torch_function__(mode, func, types, args, kwargs)
+    raise mode.unsupported(
+        func,
+        "a size read from a padded tensor's shape reaches it as a number (every sample has "
+        "its own size; only shapes, elementwise arithmetic and new tensors of that size "
+        "have exact rules)",
+    )
+
+
+def _box_over(mode: MaskedMode, func: Any, sizes: dict[int, Any]) -> Region | None:
+    """The box whose extent along dim ``d`` is ``sizes[d]`` (padded numbers: each sample's
+    own; plain ints: all of it)."""
+    padded = {d: s for d, s in sizes.items() if isinstance(s, PaddedSize)}
+    if not padded:
+        return None
+    dims = sorted(padded)
+    table = torch.stack([padded[d].per_sample for d in dims], dim=1)
+    extent = [int(padded[d].plain()) for d in dims]
+    if bool((table < 0).any()) or bool((table > torch.tensor(extent, device=table.device)).any()):
+        raise mode.unsupported(
+            func,
+            "a size computed from a padded tensor's shape is negative or larger than its "
+            "padded value for some sample",
+        )
+    return Region.box(table, extent, dims)
+
+
+def _size_arg(args: tuple, kwargs: dict, start: int) -> tuple:
+    """The size of ``torch.zeros(2, 3)``, ``torch.zeros((2, 3))``, ``x.new_zeros(size=...)``
+    (``start``: the position of the size, after ``self`` for ``Tensor.new_*``)."""
+    if "size" in kwargs:
+        return tuple(kwargs["size"])
+    rest = args[start:]
+    return tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+
+
+def _filled(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """``torch.zeros(h, w)`` and the like: each sample's own extent along the padded sizes."""
+    start = _FILLS[func]
+    if func in (torch.full, torch.Tensor.new_full):
+        fill = args[start + 1] if len(args) > start + 1 else kwargs.get("fill_value")
+        if isinstance(fill, PaddedNumber):
+            raise mode.unsupported(func, "a fill value computed from a padded tensor's shape")
+        size = tuple(kwargs["size"] if "size" in kwargs else args[start])
+    else:
+        size = _size_arg(args, kwargs, start)
+    out = func(*plain(args), **plain(kwargs))
+    return mode.rezero(out, _box_over(mode, func, dict(enumerate(size))))
+
+
+def _arange(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """``torch.arange(w)``: the values are each sample's own in its first entries."""
+    b = {"end": args[0]} if len(args) == 1 else dict(zip(("start", "end", "step"), args))
+    b.update((k, kwargs[k]) for k in ("start", "end", "step") if k in kwargs)
+    start, step, end = b.get("start", 0), b.get("step", 1), b.get("end")
+    if not isinstance(end, PaddedNumber) or any(isinstance(v, PaddedNumber) for v in (start, step)):
+        raise mode.unsupported(func, "a start or step computed from a padded tensor's shape")
+    out = func(*plain(args), **plain(kwargs))
+    per = torch.ceil((end.per_sample.double() - start) / step).clamp(min=0)
+    return mode.rezero(out, _box_over(mode, func, {0: mode.number(out.shape[0], per)}))
+
+
+def _linspace(mode: MaskedMode, args: tuple, kwargs: dict) -> Tensor:
+    """Every sample's own ``torch.linspace(start, end, steps)`` in its first ``steps``
+    entries, by torch's formula (from ``start`` up to the half, from ``end`` down after)."""
+    b = {**dict(zip(("start", "end", "steps"), args)), **kwargs}
+    if "out" in b or isinstance(b["start"], Tensor) or isinstance(b["end"], Tensor):
+        raise mode.unsupported(torch.linspace, "out= or a tensor start or end")
+    steps = b["steps"]
+    dtype = b.get("dtype") or torch.get_default_dtype()
+    k = torch.arange(plain(steps), dtype=dtype, device=b.get("device"))
+    n, a, e = (mode.scalar(v, k) for v in (steps, b["start"], b["end"]))
+    step = (e - a) / (n - 1)
+    values = torch.where(k < n // 2, a + step * k, e - step * (n - 1 - k))
+    values = torch.where(torch.as_tensor(n == 1), a + 0 * k, values)  # torch: [start]
+    return mode.rezero(values, _box_over(mode, torch.linspace, {0: steps}))
+
+
+def _is_global_pool(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> bool:
+    """``F.avg_pool2d(x, x.shape[2:])``: a window of each sample's own size, once (no stride,
+    padding or dilation): a global pooling."""
+    nsp = _NSP[func]
+    b = bind_op("max_pool" if func in _MAX_POOLS else "avg_pool", args, kwargs)
+    x, kernel = b["input"], ntuple(b["kernel_size"], nsp)
+    region = mode.region(x)
+    if region is None or region.ordered or b.get("divisor_override"):
+        return False
+    if b["stride"] not in (None, [], ()) and tuple(ntuple(b["stride"], nsp)) != tuple(kernel):
+        return False
+    if any(p != 0 for p in ntuple(b["padding"], nsp)) or any(
+        d != 1 for d in ntuple(b.get("dilation", 1), nsp)
+    ):
+        return False
+    for j, size in enumerate(kernel):
+        d = x.dim() - nsp + j
+        own = _own_extent(region, d)
+        if plain(size) != x.shape[d]:
+            return False
+        if own is not None and not (
+            isinstance(size, PaddedSize) and torch.equal(size.per_sample, own)
+        ):
+            return False
+    return True
+
+
+_GLOBAL_POOLS = {*_MAX_POOLS, *_AVG_POOLS}
+
+
+def _expanded(mode: MaskedMode, args: tuple, out: Tensor) -> Tensor:
+    """``x.expand(...)`` with padded sizes along dims it creates or stretches from 1: the
+    unpadded result has each sample's own extent there."""
+    x, sizes = args[0], args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    shift = out.dim() - x.dim()
+    new = {
+        d: s
+        for d, s in enumerate(sizes)
+        if isinstance(s, PaddedSize) and (d < shift or x.shape[d - shift] == 1)
+    }
+    box = _box_over(mode, torch.Tensor.expand, new)
+    region = mode.region(out)
+    if box is None or region is None:
+        return mode.rezero(out, box or region)
+    if region.sizes is not None and not region.ordered:  # a box with more dims
+        dims = sorted({*region.dims, *box.dims})
+        parts = {**dict(zip(region.dims, region.sizes.T)), **dict(zip(box.dims, box.sizes.T))}
+        sizes = torch.stack([parts[d] for d in dims], dim=1)
+        return mode.rezero(out, Region.box(sizes, [out.shape[d] for d in dims], dims))
+    table = region.full_table(out.shape) & box.full_table(out.shape)
+    return mode.rezero(out, Region(tuple(range(out.dim())), table, None, region.group))
+
+
+@MaskedMode.rule(*pairs("triu tril"))
+def _triangle(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> Tensor:
+    """``triu``/``tril`` zero entries by their row and column: exact where those are the
+    unpadded model's (a box over the last two dims), e.g. a causal mask of a padded size."""
+    x = args[0] if args else kwargs["input"]
+    region = mode.region(x)
+    if region.ordered and {x.dim() - 2, x.dim() - 1} & set(region.touched):
+        raise mode.unsupported(func, "rows or columns of flattened padded positions")
+    return mode.track(func(*args, **kwargs), region)
+
+
+@MaskedMode.rule(torch.meshgrid)
+def _meshgrid(mode: MaskedMode, func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, ...]:
+    """Grids of 1-d coordinates (``torch.arange(w)`` of a padded size): every grid is real in
+    the box of each sample's own lengths."""
+    parts = list(args[0]) if len(args) == 1 and isinstance(args[0], (list, tuple)) else list(args)
+    outs = func(*args, **kwargs)
+    regions = [mode.region(t) for t in parts]
+    if any(r is not None and (t.dim() != 1 or r.sizes is None) for t, r in zip(parts, regions)):
+        raise mode.unsupported(func, "a padded input that is not a 1-d box")
+    n = next(r for r in regions if r is not None).sizes.shape[0]
+    lengths = [
+        r.sizes[:, 0] if r is not None else torch.full((n,), t.numel(), dtype=torch.int64)
+        for t, r in zip(parts, regions)
+    ]
+    if kwargs.get("indexing") == "xy" and len(lengths) > 1:
+        lengths[0], lengths[1] = lengths[1], lengths[0]
+    device = lengths[0].device
+    sizes = torch.stack([v.to(device) for v in lengths], dim=1)
+    box = Region.box(sizes, list(outs[0].shape), range(len(lengths)))
+    return tuple(mode.rezero(o, box) for o in outs)
 
 
 # ---------------------------------------------------------------------- catalogue

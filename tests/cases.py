@@ -139,6 +139,70 @@ class TinyTransformer(nn.Module):
         return {"tokens": self.token_head(x).squeeze(-1), "class": self.cls(x.mean(dim=1))}
 
 
+# ---------------------------------------------------------------------- detection-library styles
+def make_anchors(feats: Sequence[Tensor], strides: Sequence[float], offset: float = 0.5) -> Tensor:
+    """Anchor points of every level's cells, scaled by its stride, as ultralytics writes them:
+    ``(sum_l h_l * w_l, 2)``."""
+    points = []
+    for f, stride in zip(feats, strides):
+        h, w = f.shape[2:]
+        sx = torch.arange(end=w, device=f.device, dtype=f.dtype) + offset
+        sy = torch.arange(end=h, device=f.device, dtype=f.dtype) + offset
+        sy, sx = torch.meshgrid(sy, sx, indexing="ij")
+        points.append(torch.stack((sx, sy), -1).view(-1, 2) * stride)
+    return torch.cat(points)
+
+
+class AnchorCacheHead(nn.Module):
+    """A detection head in the style of ultralytics' ``Detect``: per-level conv branches, box
+    and class outputs flattened over every level's cells, anchors decoded into boxes. Like
+    ``Detect`` it caches ``anchors`` and ``shape`` on the module in its forward and rebuilds
+    them only when the input shape changes; it also counts its calls (a tensor attribute
+    written in place)."""
+
+    def __init__(self, channels: Sequence[int] = (2, 3), classes: int = 2) -> None:
+        super().__init__()
+        self.box = nn.ModuleList(nn.Conv2d(c, 2, 3, padding=1) for c in channels)
+        self.cls = nn.ModuleList(nn.Conv2d(c, classes, 1) for c in channels)
+        self.strides = (8.0, 16.0)
+        self.shape: Any = None
+        self.anchors = torch.empty(0)
+        self.calls = torch.zeros((), dtype=torch.int64)
+
+    def forward(self, levels: Sequence[Tensor]) -> Tensor:
+        self.calls += 1
+        n = levels[0].shape[0]
+        box = torch.cat([b(x).view(n, 2, -1) for b, x in zip(self.box, levels)], 2)
+        cls = torch.cat([c(x).view(n, c.out_channels, -1) for c, x in zip(self.cls, levels)], 2)
+        shape = levels[0].shape
+        if self.shape != shape:
+            self.anchors = make_anchors(levels, self.strides).transpose(0, 1).type_as(box)
+            self.shape = shape
+        return torch.cat([self.anchors.unsqueeze(0) + box, cls.sigmoid()], 1)
+
+
+class CoordGridHead(nn.Module):
+    """CoordConv-style: every level gets two channels of normalised coordinates made in the
+    forward from ``arange(w).type_as(x)`` and ``linspace``, then a shared conv; per-level
+    global mean."""
+
+    def __init__(self, in_ch: int = 2, width: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(in_ch + 2, width, 3, padding=1)
+        self.out = nn.Linear(width, 2)
+
+    def forward(self, levels: Sequence[Tensor]) -> Tensor:
+        pooled = []
+        for x in levels:
+            n, _, h, w = x.shape
+            gx = torch.arange(w).type_as(x) / max(w - 1, 1)
+            gy = torch.linspace(0, 1, h, dtype=x.dtype)
+            grid = torch.stack(torch.meshgrid(gy, gx, indexing="ij")).expand(n, 2, h, w)
+            y = torch.tanh(self.conv(torch.cat([x, grid * x.new_ones(1)], 1)))
+            pooled.append(y.sum(dim=(2, 3)) / (h * w))
+        return self.out(torch.stack(pooled).mean(0))
+
+
 # ---------------------------------------------------------------------- inputs
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -299,6 +363,21 @@ CASES: list[Case] = [
         ragged=True,
         ragged_outputs=True,
         fwd_unsupported=True,
+    ),
+    Case(
+        "anchor_cache_head",
+        AnchorCacheHead,
+        lambda: ragged_samples([[(4, 4), (2, 2)], [(3, 5), (2, 3)], [(4, 4), (2, 2)]], [2, 3]),
+        glob="box.*",
+        ragged=True,
+        ragged_outputs=True,
+    ),
+    Case(
+        "coord_grid",
+        CoordGridHead,
+        lambda: ragged_samples([[(4, 5), (2, 3)], [(3, 3), (1, 2)], [(4, 5), (2, 3)]], [2, 2]),
+        glob="conv.*",
+        ragged=True,
     ),
 ]
 

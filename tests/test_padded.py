@@ -224,10 +224,16 @@ UNSUPPORTED = [
         "backward reads its output",
     ),
     (
-        "linear_over_width",
-        lambda y: nn.functional.linear(y, torch.ones(2, y.shape[-1], dtype=y.dtype)),
+        "linear_over_width",  # range() hides that the width is padded (see _sizes)
+        lambda y: nn.functional.linear(y, torch.ones(2, len(range(y.shape[-1])), dtype=y.dtype)),
         "F.linear",
         "over a padded dim",
+    ),
+    (  # a weight made of the padded width is itself padded (each sample its own width)
+        "linear_weight_of_padded_width",
+        lambda y: nn.functional.linear(y, torch.ones(2, y.shape[-1], dtype=y.dtype)),
+        "F.linear",
+        "padded tensor as the right operand",
     ),
 ]
 

@@ -403,7 +403,9 @@ REFUSED = [
         lambda: RMSBlock(attn_mask="causal"),
         TOKENS_2D,
         "F.multi_head_attention_forward",
-        "an unpadded attn_mask over flattened padded tokens",
+        # the causal mask is made of the token count, a padded size: a prefix box per sample,
+        # while the flattened tokens' real positions are interleaved
+        "an attn_mask whose padding differs from the query's and the key's",
     ),
     (
         "sdpa_causal_2d",
