@@ -113,6 +113,7 @@ from ._stream import pair, split_targets, with_progress
 from .adapter import PerSampleFunction
 from .enums import Likelihood, MemoryBudgetError, Randomness, parse_enum
 from .layerwise import DEFAULT_TEMP_BYTES, NotLayerwiseError, _UseWatch, check_separable
+from .levels import _LOOP_ONLY
 from .packing import PackedBatch
 from .subset import ParamSubset
 
@@ -578,7 +579,10 @@ class _Recorder:
             x = args[0] if len(args) == 1 and not kwargs else kwargs.get("input")
             if len(args) + len(kwargs) != 1 or not isinstance(x, Tensor):
                 raise ValueError(f"module {name!r} was called with other than one input tensor")
-            joint = _input_moments(module, x.detach(), self.n, self.temp_bytes, name)
+            # the bookkeeping is not the model's: no torch-function mode around the call
+            # (map_levels' canvas, a user's) sees it
+            with torch._C.DisableTorchFunction():
+                joint = _input_moments(module, x.detach(), self.n, self.temp_bytes, name)
             for layer in self.by_module[id(module)]:
                 layer.add_input(joint)
             anchor = output if output.requires_grad else output.detach().requires_grad_()
@@ -662,8 +666,25 @@ class _KronRun:
         """One batched run of samples of one shape: input moments in the forward pass, the
         loss, then one backward pass per objective."""
         rec = _Recorder(self.layers, levels[0].shape[0], temp)
-        with torch.enable_grad(), rec:
-            out = fn.call_batch(levels)
+        loop_only = _LOOP_ONLY.set("kron_factors: every level's call counts its own positions")
+        try:
+            with torch.enable_grad(), rec:
+                out = fn.call_batch(levels)
+            self._check_run(fn, levels, out, rec)
+        finally:
+            _LOOP_ONLY.reset(loop_only)
+        opts = self.opts
+        y = torch.stack(
+            check_targets(targets, out.shape[1:], opts.likelihood, opts.ignore, numbers)
+        )
+        self.loss += nll_sum(out.detach(), y, opts.likelihood, opts.sigma, opts.ignore)
+        rec.backward(self._objectives(out, y))
+
+    def _check_run(
+        self, fn: PerSampleFunction, levels: list[Tensor], out: Any, rec: _Recorder
+    ) -> None:
+        """The batched run's output is one tensor, no selected parameter was read outside its
+        modules, and (once per call) the model does not mix samples in a batch."""
         if not isinstance(out, Tensor):
             raise TypeError(
                 "kron_factors needs the model (after output_fn) to return one tensor; got "
@@ -684,12 +705,6 @@ class _KronRun:
             except NotLayerwiseError as err:
                 raise ValueError(f"kron_factors runs batches of samples, but {err}") from err
             self.separable_checked = True
-        opts = self.opts
-        y = torch.stack(
-            check_targets(targets, out.shape[1:], opts.likelihood, opts.ignore, numbers)
-        )
-        self.loss += nll_sum(out.detach(), y, opts.likelihood, opts.sigma, opts.ignore)
-        rec.backward(self._objectives(out, y))
 
     def _objectives(self, out: Tensor, y: Tensor) -> list[tuple[Tensor, float]]:
         """The scalars whose output gradients make ``G``, with their weights."""

@@ -15,6 +15,7 @@ every level to the largest and stacking them.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -48,6 +49,13 @@ from .masked import MaskedMode
 __all__ = ["AUTO_PACKING", "CanvasMode", "LevelOutputs", "canvas_layout", "map_levels"]
 
 Box = tuple[int, int, int, int]  # (y, x, h, w) on the canvas
+
+#: set to a reason by a caller whose result depends on every level's own call (K-FAC counts
+#: each call's positions, and a canvas adds the gutters' and the call counts differ): while
+#: set, :func:`map_levels` runs the per-level loop (recorded as the reason, never warned)
+_LOOP_ONLY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "multiscale_jac_map_levels_loop_only", default=None
+)
 
 
 class LevelOutputs(list):
@@ -121,6 +129,9 @@ def map_levels(
 
     if chosen == "loop":
         return loop(None if packing == "loop" else f"auto on {levels[0].device.type}")
+    forced = _LOOP_ONLY.get()
+    if forced is not None:
+        return loop(forced)
     if len(levels) == 1:
         return loop("one level")
     if any(isinstance(m, MaskedMode) for m in _get_current_function_mode_stack()):

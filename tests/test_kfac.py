@@ -810,3 +810,23 @@ def test_against_curvlinops_kfac(likelihood: str, kind: str, fisher_type: str) -
         name = f.modules[0]
         assert (f.A - ops._input_covariances[name]).abs().max() < 1e-12
         assert (g_scale * f.G - ops._gradient_covariances[name]).abs().max() < 1e-12
+
+
+def test_map_levels_canvas_runs_as_the_per_level_loop() -> None:
+    """A head run through ``map_levels`` on a canvas (the default on CUDA) counts each level's
+    call with its own positions, as the list comprehension does."""
+    torch.manual_seed(0)
+    canvas = mj.models.SharedHeadFPN((2, 2), width=4, num_outputs=2, depth=1, packing="canvas")
+    canvas = canvas.to(DTYPE).eval()
+    loop = mj.models.SharedHeadFPN((2, 2), width=4, num_outputs=2, depth=1, packing="loop")
+    loop = loop.to(DTYPE).eval()
+    loop.load_state_dict(canvas.state_dict())
+    samples = ragged_samples([[(6, 6), (3, 3)], [(5, 7), (3, 4)], [(6, 6), (3, 3)]], [2, 2], seed=1)
+    targets = [
+        torch.randn(loop([t.unsqueeze(0) for t in s]).shape[1:], dtype=DTYPE) for s in samples
+    ]
+    params = ["lateral.*", "head.0.*", "head.3.*"]
+    a = kron_factors(canvas, [(samples, targets)], params=params, likelihood="regression")
+    b = kron_factors(loop, [(samples, targets)], params=params, likelihood="regression")
+    for f, r in zip(a.layers, b.layers):
+        assert (f.A - r.A).abs().max() < 1e-12 and (f.G - r.G).abs().max() < 1e-12
