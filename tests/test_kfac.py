@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cases import ragged_samples
-from conftest import CASE_BY_ID, zoo_model
+from conftest import CASE_BY_ID, smallest_budget, zoo_model
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -533,6 +533,10 @@ def test_chunks_and_memory_budgets_give_the_same_factors() -> None:
             assert (f.A - r.A).abs().max() < 1e-12 and (f.G - r.G).abs().max() < 1e-12
     with pytest.raises(mj.MemoryBudgetError, match=r"memory_budget=100 bytes"):
         kron_factors(model, [(samples, y)], memory_budget=100)
+    least = smallest_budget(lambda b: kron_factors(model, [(samples, y)], memory_budget=b))
+    res = kron_factors(model, [(samples, y)], memory_budget=least)  # runs, one sample a chunk
+    for f, r in zip(res.layers, ref.layers):
+        assert (f.A - r.A).abs().max() < 1e-12 and (f.G - r.G).abs().max() < 1e-12
 
 
 def test_inplace_activation_after_a_layer() -> None:
