@@ -377,9 +377,12 @@ class _EngineRun:
         error = DEEP_SHORTLIST if depth >= DEEP_DEPTH else SHORTLIST  # the model's known error
         trial = [(k, p) for k, p in plans.items() if estimates[k] <= error * best or k in keep]
         # routes estimated within the model's error of each other are timed, also where every
-        # sample has a shape of its own (each route then runs samples of its own)
+        # sample has a shape of its own (each route then runs samples of its own); the
+        # samples per call only where a bucket has several
+        largest = max(len(b.indices) for b in self.packed.buckets())
         if (len(trial) > 1 or self.resizable(plan)) and (
-            o.tune is Tune.MEASURE or len(self.packed) >= MIN_PROBE_BATCH
+            o.tune is Tune.MEASURE
+            or (len(self.packed) >= MIN_PROBE_BATCH and (largest >= 2 or len(trial) > 1))
         ):
             self.trial, self.estimates = trial, estimates
             if error != SHORTLIST and len(trial) > 1:
