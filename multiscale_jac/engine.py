@@ -166,8 +166,10 @@ def per_sample_jacobian(
         input_kind: How to read ``inputs`` where it is ambiguous (see
             :func:`~multiscale_jac.pack`).
         tune: How ``auto`` choices are made (:class:`~multiscale_jac.Tune`): ``auto`` times
-            the cost model's shortlist on a probe of the data when that costs under a tenth of
-            the job, ``measure`` always, ``estimate`` never; the timings are on
+            the routes the cost model estimates within its known error of each other on the
+            run's first samples (batches of 8 or more; where every sample has a shape of its
+            own, each route on samples of its own), ``measure`` always, ``estimate`` never;
+            the timings, and what the cost model missed where they contradict it, are on
             ``result.notes``.
 
     Returns:
@@ -336,10 +338,12 @@ class _EngineRun:
 
     def tune(self, ran: Strategy, plan: VectorPlan) -> tuple[Strategy, VectorPlan]:
         """Shortlist the routes ``auto`` chooses between (strategy x mode x entries: those the
-        cost model does not rule out by more than :data:`SHORTLIST`x, and always its own
+        cost model does not rule out by more than its known error, :data:`SHORTLIST`x, or
+        :data:`DEEP_SHORTLIST`x on a model :data:`DEEP_DEPTH` ops deep, and always its own
         choice and the same route with generic entries) to be timed on the run itself
         (:meth:`try_routes`): under ``tune="auto"`` on batches of :data:`MIN_PROBE_BATCH`
-        samples, under ``"measure"`` always."""
+        samples (the routes also where every sample has a shape of its own, the samples per
+        call only where a bucket has several), under ``"measure"`` always."""
         o = self.options
         strategies = [ran]
         if o.strategy is Strategy.AUTO and len(self.packed.buckets()) > 1:
