@@ -17,12 +17,17 @@ suites (``vgg11_bn_q``, ``resnet8``, ``cnn3``, ``cnn8``, ``convblock``, ``convbl
 ``tinyfpn``, ``sharedfpn``) and architectures the cost model was not tuned on, fixed before
 measuring: ``tanh_cnn`` (strided tanh convs, a large linear head), ``gelu_cnn``, ``gn_dw``
 (GroupNorm + depthwise blocks), ``det_head`` (a detection head over ragged pyramid levels),
-``transformer`` (two pre-norm blocks, ``F.scaled_dot_product_attention``).
+``transformer`` (two pre-norm blocks, ``F.scaled_dot_product_attention``), and ``bifpn``, the
+zoo's effdet-style BiFPN (``tests/cases.py``: 3 cells over 3 levels, a dense head), whose ragged
+cell gives every sample a shape of its own and differentiates one entry in every tensor of every
+BiFPN node (edge weights, separable convs, BatchNorm: entries spread through its cells) instead
+of every parameter (issue 28, item 3: auto guessed from its estimates and timed nothing).
 
 Methods (``--methods``; one that does not apply is recorded with the reason)
     train_step         forward, loss, backward, SGD step (per shape bucket): every ratio's unit
     loop_func          a Python loop over samples of ``torch.func.jacrev`` (fisher: ``grad``;
-                       jacnorm: ``grad`` of the squared norm of ``jacrev``)
+                       jacnorm: ``grad`` of the squared norm of ``jacrev``); with a subset, the
+                       Jacobian w.r.t. the tensors that hold its entries, the rest constant
     vmap_chunks        ``vmap(jacrev)`` / ``vmap(grad)`` in chunks, per shape bucket
     vmap_double_bwd    jacnorm: ``grad`` of the squared norm of ``vmap(grad)``, 16 a chunk
     fwd_over_rev       jacnorm: ``vmap(grad)``, then ``2 sum_i H_i g_i`` by ``jvp`` of ``grad``
@@ -67,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -114,6 +120,9 @@ import multiscale_jac as mj
 from multiscale_jac.models import ConvBlock, SharedHeadFPN, TinyFPN
 
 SCRIPT = Path(__file__).resolve()
+sys.path.insert(0, str(SCRIPT.parents[1] / "tests"))  # the zoo's BiFPN: one definition
+from cases import BiFPN  # noqa: E402
+
 DEFAULT_OUT = SCRIPT.parent / "results"
 
 WORKLOADS = ("jacobian", "ragged", "subset", "fisher", "jacnorm", "laplace")
@@ -122,8 +131,16 @@ _NEW = ("tanh_cnn", "gelu_cnn", "gn_dw")
 #: which models run in which workload (``--quick``: ``QUICK_GRID``)
 GRID: dict[str, tuple[str, ...]] = {
     "jacobian": ("resnet8", "convblock", "tinyfpn", *_NEW, "det_head", "transformer"),
-    "ragged": ("convblock", "tinyfpn", "sharedfpn", "det_head"),
-    "subset": ("convblock_wide", "resnet8", "vgg11_bn_q", *_NEW, "det_head", "transformer"),
+    "ragged": ("convblock", "tinyfpn", "sharedfpn", "det_head", "bifpn"),
+    "subset": (
+        "convblock_wide",
+        "resnet8",
+        "vgg11_bn_q",
+        *_NEW,
+        "det_head",
+        "transformer",
+        "bifpn",
+    ),
     "fisher": ("vgg11_bn_q", "resnet8", *_NEW, "transformer"),
     "jacnorm": ("cnn3", "cnn8", *_NEW, "transformer"),
     "laplace": ("resnet8", "vgg11_bn_q", *_NEW, "transformer"),
@@ -285,6 +302,9 @@ class ModelSpec:
     levels: Callable[[int, int], list[tuple[int, ...]]] | None = None
     uniform_hw: tuple[int, int] = (0, 0)
     ragged_hw: tuple[tuple[int, int], ...] = ()
+    #: the ragged workload differentiates these entries (flat indices into the parameter
+    #: vector) instead of every parameter
+    ragged_entries: Callable[[nn.Module], Tensor] | None = None
 
 
 def _half(n: int, k: int) -> int:
@@ -324,6 +344,40 @@ def _levels(
 
 
 _RAGGED4 = ((12, 12), (12, 16), (16, 12), (8, 16))
+#: the BiFPN's pyramids: 8/12/16 channels at strides 1, 2, 4 (sizes divisible by 4)
+BIFPN_CHANNELS = (8, 12, 16)
+#: 16 shapes: a ragged batch of 16 where every sample has a shape of its own
+_BIFPN_HW = tuple((h, w) for h in (4, 8, 12, 16) for w in (4, 8, 12, 16))
+
+
+def _bifpn() -> nn.Module:
+    """``tests/cases.py``'s BiFPN, 3 cells of width 8 over 3 levels, a head of 2 separable
+    convs (9 outputs a position), non-trivial BatchNorm statistics."""
+    model = BiFPN(BIFPN_CHANNELS, width=8, cells=3, outputs=9, head_repeats=2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def _bifpn_levels(h: int, w: int) -> list[tuple[int, ...]]:
+    return [(c, h >> k, w >> k) for k, c in enumerate(BIFPN_CHANNELS)]
+
+
+def _bifpn_spread(model: nn.Module) -> Tensor:
+    """One entry (seeded) in every tensor of every BiFPN node: edge weights, depthwise and
+    pointwise convs, BatchNorm scales and shifts (60 entries; flat indices)."""
+    g = torch.Generator().manual_seed(3)
+    picks, offset = [], 0
+    for name, p in model.named_parameters():
+        if name.startswith("cells.") and ("edge_weights" in name or "after_combine" in name):
+            picks.append(offset + int(torch.randint(p.numel(), (), generator=g)))
+        offset += p.numel()
+    return torch.tensor(picks)
+
+
 SPECS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -373,6 +427,19 @@ SPECS: dict[str, ModelSpec] = {
             _pyramid,
             (12, 12),
             _RAGGED4,
+        ),
+        dataclasses.replace(
+            _levels(
+                "bifpn",
+                _bifpn,
+                "new: effdet-style BiFPN (tests/cases.py), 3 cells of width 8 over 3 levels, "
+                "a 9-output head; ragged: every sample a shape of its own, one entry in every "
+                "BiFPN-node tensor",
+                _bifpn_levels,
+                (12, 12),
+                _BIFPN_HW,
+            ),
+            ragged_entries=_bifpn_spread,
         ),
     )
 }
@@ -553,6 +620,10 @@ def build_cell(
     if workload in SUBSET_K:
         gs = torch.Generator().manual_seed(seed + 2)
         idx = torch.randperm(cell.num_params, generator=gs)[: SUBSET_K[workload]]
+        cell.subset = mj.ParamSubset.from_flat_indices(model, idx)
+        cell.cols = idx.to(device)
+    if cell.ragged and spec.ragged_entries is not None:
+        idx = spec.ragged_entries(model)
         cell.subset = mj.ParamSubset.from_flat_indices(model, idx)
         cell.cols = idx.to(device)
     with torch.no_grad():
@@ -738,8 +809,29 @@ def _per_sample(cell: Cell, model: nn.Module) -> Callable[..., dict[str, Tensor]
 
 
 def loop_func(cell: Cell, model: nn.Module) -> Run:
-    """A Python loop over the samples of :func:`_per_sample`."""
+    """A Python loop over the samples of :func:`_per_sample`; a Jacobian w.r.t. a subset
+    differentiates the tensors that hold its entries only (the rest constant), as a user
+    would write it."""
     h, params, dims = _per_sample(cell, model), cell.params(model), int(cell.jacobian_like)
+    if cell.cols is not None and cell.workload in JACOBIAN_LIKE:
+        held = set(cell.subset.names)
+        f = cell.sample_fn(model)
+        jf = jacrev(lambda sel, *levels: f({**params, **sel}, *levels))
+        chosen = {n: p for n, p in params.items() if n in held}
+
+        def run_selected(batch: Batch) -> Tensor:
+            sink = Sink(cell, batch)
+            for i, s in enumerate(batch.samples):
+                jac = jf(chosen, *s)
+                o = batch.out_sizes[i]
+                full = {
+                    n: jac[n] if n in jac else params[n].new_zeros(o, *p.shape)
+                    for n, p in params.items()
+                }
+                sink.add([i], cell.flat(full, 1)[None])
+            return sink.result()
+
+        return run_selected
 
     def run(batch: Batch) -> Tensor:
         sink = Sink(cell, batch)

@@ -146,11 +146,13 @@ def cpu_chunk_cap(device: torch.device, bytes_per_sample: int) -> int | None:
 
 @dataclass(frozen=True)
 class Footprint:
-    """Per-sample facts of one bucket, measured on its first sample."""
+    """Per-sample facts of one bucket, measured on its first sample; ``depth``: the most
+    differentiable ops on one path from a selected tensor to the output (:func:`graph_depth`)."""
 
     activations: int
     largest: int
     outputs: int
+    depth: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,31 @@ def measure(
     leaves = tuple(v.detach().requires_grad_(True) for v in values)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
         out = fn(leaves, *levels)
-    return Footprint(sum(seen.values()), max(seen.values(), default=0), int(out.numel()))
+    return Footprint(
+        sum(seen.values()), max(seen.values(), default=0), int(out.numel()), graph_depth(out)
+    )
+
+
+def graph_depth(out: Tensor) -> int:
+    """The most autograd nodes on one path from ``out`` back to a leaf: the differentiable ops
+    between the selected tensors (the only leaves that require grad) and the output, along
+    the longest chain (0 where ``out`` does not depend on them)."""
+    root = out.grad_fn
+    if root is None:
+        return 0
+    depth: dict[Any, int] = {}
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:  # iterative post-order: deep models overflow Python's recursion
+        node, expanded = stack.pop()
+        if node in depth:
+            continue
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if expanded:
+            depth[node] = 1 + max((depth[n] for n in nexts), default=0)
+            continue
+        stack.append((node, True))
+        stack.extend((n, False) for n in nexts if n not in depth)
+    return depth[root] - 1  # the leaves' AccumulateGrad nodes are no ops
 
 
 def per_sample_bytes(

@@ -35,6 +35,7 @@ from ._checks import (
     warn_fallback,
 )
 from ._planning import (
+    COST_CONSTANTS,
     COUNTS,
     KERNEL_CACHE,
     PLAN_CACHE,
@@ -43,6 +44,7 @@ from ._planning import (
     VectorPlan,
     choose_strategy,
     decision,
+    estimate_seconds,
     even_chunk,
     first_line,
     plan_key,
@@ -164,8 +166,10 @@ def per_sample_jacobian(
         input_kind: How to read ``inputs`` where it is ambiguous (see
             :func:`~multiscale_jac.pack`).
         tune: How ``auto`` choices are made (:class:`~multiscale_jac.Tune`): ``auto`` times
-            the cost model's shortlist on a probe of the data when that costs under a tenth of
-            the job, ``measure`` always, ``estimate`` never; the timings are on
+            the routes the cost model estimates within its known error of each other on the
+            run's first samples (batches of 8 or more; where every sample has a shape of its
+            own, each route on samples of its own), ``measure`` always, ``estimate`` never;
+            the timings, and what the cost model missed where they contradict it, are on
             ``result.notes``.
 
     Returns:
@@ -242,6 +246,19 @@ MIN_PROBE_SAMPLES = 8
 MIN_HALVED_CALL = 4
 #: a samples per call replaces the one it is timed against when this much faster
 CALL_MARGIN = 1.05
+#: a model is deep where this many differentiable ops lie on one path between a selected
+#: entry and the output (``Footprint.depth``): the bench_peers cells up to depth 56 (the
+#: transformer; ResNet-8 27, VGG11 30) needed a shortlist spanning at most 2x to hold their
+#: fastest route (one shallow cell 5.7x); the BiFPN pyramid of bench_peers (depth 248) 5.3x,
+#: its forward routes ran 6-10x their estimates and its reverse ones 0.26-0.41x
+DEEP_DEPTH = 100
+#: on a deep model the shortlist spans this factor (the cost model's error between two of
+#: the BiFPN pyramid's routes reached 24x: bucketed/fwd 10x its estimate, padded/rev 0.41x)
+DEEP_SHORTLIST = 32.0
+#: where every sample has a shape of its own, a route whose one-sample warm-up (scaled like
+#: the timed calls) took this many times the fastest timed route's time is not timed: a
+#: route's first call paid at most 2.7x its later time (once 4x, :data:`RETIME`)
+WARM_CUTOFF = 4.0
 
 
 class _EngineRun:
@@ -256,6 +273,13 @@ class _EngineRun:
         self.cached = PLAN_CACHE.get(fn.model, self.key)
         #: the shortlisted routes, timed on the first samples of the run (:meth:`try_routes`)
         self.trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None = None
+        #: the cost model's seconds for every planned route of the job (:meth:`tune`)
+        self.estimates: dict[tuple[Strategy, Mode, Entries], float] = {}
+        #: every sample has a shape of its own: routes are timed on samples of their own,
+        #: scaled by their estimates (:meth:`try_routes`)
+        self.spread = False
+        #: the most ops between a selected entry and the output (:meth:`tune`)
+        self.depth = 0
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
@@ -314,10 +338,12 @@ class _EngineRun:
 
     def tune(self, ran: Strategy, plan: VectorPlan) -> tuple[Strategy, VectorPlan]:
         """Shortlist the routes ``auto`` chooses between (strategy x mode x entries: those the
-        cost model does not rule out by more than :data:`SHORTLIST`x, and always its own
+        cost model does not rule out by more than its known error, :data:`SHORTLIST`x, or
+        :data:`DEEP_SHORTLIST`x on a model :data:`DEEP_DEPTH` ops deep, and always its own
         choice and the same route with generic entries) to be timed on the run itself
         (:meth:`try_routes`): under ``tune="auto"`` on batches of :data:`MIN_PROBE_BATCH`
-        samples, under ``"measure"`` always."""
+        samples (the routes also where every sample has a shape of its own, the samples per
+        call only where a bucket has several), under ``"measure"`` always."""
         o = self.options
         strategies = [ran]
         if o.strategy is Strategy.AUTO and len(self.packed.buckets()) > 1:
@@ -341,12 +367,33 @@ class _EngineRun:
         estimates = {k: plan_seconds(p) for k, p in plans.items()}
         best = min(estimates.values())
         keep = {first, (ran, plan.mode, Entries.GENERIC)}
-        trial = [(k, p) for k, p in plans.items() if estimates[k] <= SHORTLIST * best or k in keep]
+        # the padded plan's pass also runs the masking ops: its depth is not the model's
+        depth = max(
+            (
+                g.footprint.depth
+                for k, p in plans.items()
+                if k[0] is not Strategy.PADDED
+                for g in p.groups
+            ),
+            default=0,
+        )
+        self.depth = depth
+        error = DEEP_SHORTLIST if depth >= DEEP_DEPTH else SHORTLIST  # the model's known error
+        trial = [(k, p) for k, p in plans.items() if estimates[k] <= error * best or k in keep]
+        # routes estimated within the model's error of each other are timed, also where every
+        # sample has a shape of its own (each route then runs samples of its own); the
+        # samples per call only where a bucket has several
         largest = max(len(b.indices) for b in self.packed.buckets())
         if (len(trial) > 1 or self.resizable(plan)) and (
-            o.tune is Tune.MEASURE or (len(self.packed) >= MIN_PROBE_BATCH and largest >= 2)
+            o.tune is Tune.MEASURE
+            or (len(self.packed) >= MIN_PROBE_BATCH and (largest >= 2 or len(trial) > 1))
         ):
-            self.trial = trial
+            self.trial, self.estimates = trial, estimates
+            if error != SHORTLIST and len(trial) > 1:
+                self.notes.append(
+                    f"tune: a deep model ({depth} ops between the selected entries and the "
+                    f"output): the routes estimated within {error:g}x of the best are timed"
+                )
         return ran, plan
 
     def resizable(self, plan: VectorPlan) -> bool:
@@ -378,11 +425,20 @@ class _EngineRun:
         counting; then the chosen route's samples per call (:meth:`try_calls`). Their
         Jacobians go into the result, so timing costs only the slower routes' extra time.
         Where the bucket is too small for every route to get new samples, later routes redo
-        samples already done (their results are the same). Returns the result buffers, the
-        samples done and the fastest route."""
+        samples already done (their results are the same). Where every sample has a shape of
+        its own (the largest bucket holds one), each route runs samples of its own instead,
+        the smallest first, and its time is scaled to the whole job by its own estimate
+        (:meth:`_time_route`); a route whose warm-up took :data:`WARM_CUTOFF` times the fastest
+        timed one is not timed. Where the timing contradicts the estimate by
+        :data:`SHORTLIST`x or more, a note says what the cost model missed. Returns the
+        result buffers, the samples done and the fastest route."""
         trial, self.trial = self.trial or [], None  # ((strategy, mode, entries), plan)
         into = _buffers([p for _, p in trial], self.fn)
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
+        self.spread = len(bucket.indices) == 1 and len(trial) > 1
+        if self.spread:  # every sample its own shape: the samples in order of size
+            sizes = [sum(t.numel() for t in self.packed.sample(i)) for i in range(len(self.packed))]
+            bucket = _Samples(sorted(range(len(self.packed)), key=sizes.__getitem__))
         pool = list(bucket.indices)
         share = max(len(pool) // len(trial) - 1, min(len(pool), MIN_PROBE_SAMPLES))
         times: dict[tuple[Strategy, Mode, Entries], float] = {}
@@ -397,9 +453,14 @@ class _EngineRun:
             ((best, plan),) = trial
             into, done, plan = self.try_calls(best, plan, bucket, pool, into, done)
             return into, done, best[0], plan
+        skipped = []
         for key, plan in trial:
-            if self._time_route(key, plan, 1, bucket, pool, into, done) is None:
+            warm = self._time_route(key, plan, 1, bucket, pool, into, done)
+            if warm is None:
                 continue  # its warm-up failed
+            if self.spread and times and warm > WARM_CUTOFF * min(times.values()):
+                skipped.append(f"{_route(key)} (warm-up {warm * len(self.packed):.3g} s)")
+                continue
             elapsed = self._time_route(
                 key, plan, call_size(plan), bucket, pool, into, done, timed=True
             )
@@ -414,16 +475,75 @@ class _EngineRun:
                 again = self._time_route(key, plan, k, bucket, pool, into, done, timed=True)
                 times[key] = min(times[key], math.inf if again is None else again)
         best = min(times, key=times.__getitem__)
-        self.notes.append(
-            "tune: timed on the run's first samples (vectorised calls): "
-            + ", ".join(f"{_route(k)} {v * 1e3:.1f} ms" for k, v in times.items())
-            + f" per sample; chose {_route(best)}"
-        )
+        if self.spread:
+            n = len(self.packed)
+            self.notes.append(
+                "tune: every sample has a shape of its own: each route timed on samples of "
+                "its own, scaled to the whole job by its estimate: "
+                + ", ".join(
+                    f"{_route(k)} {v * n:.3g} s (estimated {self.estimates[k]:.3g} s)"
+                    for k, v in times.items()
+                )
+                + (f"; not timed after its warm-up: {', '.join(skipped)}" if skipped else "")
+                + f"; chose {_route(best)}"
+            )
+        else:
+            self.notes.append(
+                "tune: timed on the run's first samples (vectorised calls): "
+                + ", ".join(f"{_route(k)} {v * 1e3:.1f} ms" for k, v in times.items())
+                + f" per sample; chose {_route(best)}"
+            )
+        self._contradiction(trial[0][0], best, times, dict(trial))
         self.options = dataclasses.replace(self.options, mode=best[1], entries=best[2])
         plan = dict(trial)[best]
         if self.resizable(plan):
             into, done, plan = self.try_calls(best, plan, bucket, pool, into, done)
         return into, done, best[0], plan
+
+    def _contradiction(
+        self,
+        first: tuple[Strategy, Mode, Entries],
+        best: tuple[Strategy, Mode, Entries],
+        times: dict[tuple[Strategy, Mode, Entries], float],
+        plans: dict[tuple[Strategy, Mode, Entries], VectorPlan],
+    ) -> None:
+        """Note where the timing ranks the estimate's choice ``first`` below ``best`` by
+        :data:`SHORTLIST`x or more against the estimate: the two routes' estimates and their
+        times for the whole job, and what the cost model missed: it counts a fixed
+        ``call_s`` a vectorised forward pass (plus work by activation bytes), and the route
+        its timing fell furthest behind runs so many passes of so many ops each."""
+        est = self.estimates
+        if best == first or first not in times or first not in est or best not in est:
+            return
+        off = (est[best] / est[first]) / (times[best] / times[first])
+        if off < SHORTLIST:
+            return
+        n = len(self.packed)
+        job = {k: times[k] * n for k in (first, best)}
+        worse = max((first, best), key=lambda k: job[k] / est[k])  # furthest over its estimate
+        plan = plans[worse]
+        passes = len(plan.spans) if plan.mode is Mode.FWD else 1
+        calls = (
+            sum(-(-len(g.indices) // min(c.samples for c in g.chunks)) for g in plan.groups)
+            * passes
+        )
+        call_s = COST_CONSTANTS.get(plan.device.type, COST_CONSTANTS["cuda"])["call_s"]
+        per_pass = job[worse] / calls
+        missed = (
+            f"each pass took about {per_pass * 1e3:.0f} ms, not the {call_s * 1e3:.0f} ms it "
+            f"counts a vectorised forward pass (plus work by activation bytes): the per-op cost "
+            f"of a pass through {self.depth} ops is what it missed"
+            if per_pass >= SHORTLIST * call_s
+            else f"its work by activation bytes misjudged {_route(worse)}"
+        )
+        per_call = f", {passes} a call: one per selected tensor" if passes > 1 else ""
+        self.notes.append(
+            f"tune: the timing contradicts the estimate by {off:.0f}x: estimated "
+            f"{_route(first)} {est[first]:.3g} s and {_route(best)} {est[best]:.3g} s, measured "
+            f"{job[first]:.3g} s and {job[best]:.3g} s for the job; {_route(worse)} took "
+            f"{job[worse] / est[worse]:.3g}x its estimate in {calls} vectorised passes"
+            f"{per_call}: {missed}"
+        )
 
     def try_calls(
         self,
@@ -508,6 +628,8 @@ class _EngineRun:
             self.notes.append(f"tune: {_route(key)} failed ({first_line(err)})")
             return None
         done.update(idx)
+        if self.spread:  # samples of different shapes: scaled by the route's own estimate
+            return elapsed[0] * plan_seconds(plan) / _estimate_of(plan, idx) / len(self.packed)
         return elapsed[0] / len(idx)
 
     def plan(self, ran: Strategy) -> tuple[Strategy, VectorPlan | None]:
@@ -611,6 +733,25 @@ class _EngineRun:
             outputs=outputs,
             **extra,
         )
+
+
+class _Samples(NamedTuple):
+    """Samples in the order :meth:`_EngineRun.try_routes` takes them (a bucket's ``indices``,
+    or every sample, the smallest first, where every sample has a shape of its own)."""
+
+    indices: list[int]
+
+
+def _estimate_of(plan: VectorPlan, idx: list[int]) -> float:
+    """The cost model's seconds for ``plan`` on samples ``idx`` alone (each group's share
+    in calls of its planned size)."""
+    chosen = set(idx)
+    groups = []
+    for g in plan.groups:
+        n = sum(1 for i in g.indices if i in chosen)
+        if n:
+            groups.append((n, min(n, min(c.samples for c in g.chunks)), g.footprint))
+    return estimate_seconds(groups, plan, plan.strategy is Strategy.PADDED)
 
 
 def _call_size(plan: VectorPlan, packed: PackedBatch) -> int:

@@ -91,10 +91,11 @@ class Entries(_StrEnum):
 class Tune(_StrEnum):
     """How ``auto`` picks a route: ``estimate`` (the cost model alone), ``measure`` (time the
     cost model's shortlist, and the samples per vectorised call where the caller gives no
-    ``chunk_size``, on the first samples of the run, always) or ``auto`` (time them when
-    the largest shape bucket has samples for every route; a job whose loop would take under
-    0.1 s runs the cheapest plan without surveying). Timed samples stay in the result; the
-    choice is cached per shapes (docs/design.md, "How auto chooses")."""
+    ``chunk_size``, on the first samples of the run, always) or ``auto`` (time them on batches
+    of 8 samples or more, also where every sample has a shape of its own: each route then on
+    samples of its own; the shortlist spans 4x, 32x on a deep model; a job whose loop would
+    take under 0.1 s runs the cheapest plan without surveying). Timed samples stay in the
+    result; the choice is cached per shapes (docs/design.md, "How auto chooses")."""
 
     AUTO = "auto"
     MEASURE = "measure"

@@ -203,6 +203,165 @@ class CoordGridHead(nn.Module):
         return self.out(torch.stack(pooled).mean(0))
 
 
+# ---------------------------------------------------------------------- zoo models: BiFPN (effdet)
+# Written the way effdet (rwightman/efficientdet-pytorch) writes its BiFPN: every node fuses
+# resampled inputs with learnable non-negative edge weights ("fastattn": relu, then divided by
+# their sum + eps), then swish and a depthwise-separable conv with BatchNorm; the head's convs
+# are shared over the levels, its BatchNorms are per level.
+class SeparableConv2d(nn.Module):
+    """effdet's ``SeparableConv2d``: depthwise 3x3, pointwise 1x1, then BatchNorm (``norm``)
+    and swish (``act``) where asked."""
+
+    def __init__(
+        self, in_ch: int, out_ch: int, bias: bool = False, norm: bool = True, act: bool = False
+    ) -> None:
+        super().__init__()
+        self.conv_dw = nn.Conv2d(in_ch, in_ch, 3, padding=1, groups=in_ch, bias=False)
+        self.conv_pw = nn.Conv2d(in_ch, out_ch, 1, bias=bias)
+        self.bn = nn.BatchNorm2d(out_ch) if norm else nn.Identity()
+        self.act = nn.SiLU() if act else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.bn(self.conv_pw(self.conv_dw(x))))
+
+
+class ResampleFeatureMap(nn.Sequential):
+    """effdet's: a 1x1 conv + BatchNorm where the channels differ, then a stride-2 max pool
+    (``scale=2``: to a coarser level) or a nearest upsampling by ``scale_factor=2``
+    (``scale=0.5``)."""
+
+    def __init__(self, in_ch: int, out_ch: int, scale: float) -> None:
+        super().__init__()
+        if in_ch != out_ch:
+            self.add_module("conv", nn.Conv2d(in_ch, out_ch, 1))
+            self.add_module("bn", nn.BatchNorm2d(out_ch))
+        if scale > 1:
+            self.add_module("downsample", nn.MaxPool2d(3, stride=2, padding=1))
+        elif scale < 1:
+            self.add_module("upsample", nn.Upsample(scale_factor=2, mode="nearest"))
+
+
+class FpnCombine(nn.Module):
+    """effdet's ``FpnCombine`` with ``weight_method="fastattn"``: ``sum_i w_i x_i / (sum w + eps)``
+    with ``w = relu(edge_weights)``, over the resampled inputs (``inputs``: ``(node, in_ch,
+    scale)`` of each edge)."""
+
+    def __init__(self, inputs: Sequence[tuple[int, int, float]], out_ch: int) -> None:
+        super().__init__()
+        self.inputs = [node for node, _, _ in inputs]
+        self.resample = nn.ModuleList(ResampleFeatureMap(c, out_ch, s) for _, c, s in inputs)
+        self.edge_weights = nn.Parameter(torch.ones(len(inputs)))
+
+    def forward(self, nodes: Sequence[Tensor]) -> Tensor:
+        x = [r(nodes[i]) for i, r in zip(self.inputs, self.resample)]
+        edge_weights = F.relu(self.edge_weights)
+        weights_sum = torch.sum(edge_weights)
+        out = torch.stack(
+            [(x[i] * edge_weights[i]) / (weights_sum + 0.0001) for i in range(len(x))], dim=-1
+        )
+        return torch.sum(out, dim=-1)
+
+
+class Fnode(nn.Module):
+    """A BiFPN node: combine, then (effdet's ``after_combine``) swish and a separable conv."""
+
+    def __init__(self, combine: FpnCombine, width: int) -> None:
+        super().__init__()
+        self.combine = combine
+        self.after_combine = nn.Sequential(nn.SiLU(), SeparableConv2d(width, width))
+
+    def forward(self, nodes: Sequence[Tensor]) -> Tensor:
+        return self.after_combine(self.combine(nodes))
+
+
+class BiFpnLayer(nn.Module):
+    """One BiFPN cell over L levels (0 finest): top-down nodes from the coarsest level to the
+    finest (each fuses its level with the upsampled node above), then bottom-up nodes (each
+    fuses its level, its top-down node where there is one and the pooled node below). The
+    nodes list grows as effdet's does: inputs first, then every node's output."""
+
+    def __init__(self, in_channels: Sequence[int], width: int) -> None:
+        super().__init__()
+        n = len(in_channels)
+        chans = list(in_channels)
+        self.fnode = nn.ModuleList()
+        top = n - 1  # the node index that holds the current coarser feature
+        td = {}
+        for lvl in range(n - 2, -1, -1):
+            edges = [(lvl, chans[lvl], 1.0), (top, chans[top], 0.5)]
+            self.fnode.append(Fnode(FpnCombine(edges, width), width))
+            chans.append(width)
+            top = td[lvl] = len(chans) - 1
+        below = td[0]
+        for lvl in range(1, n):
+            edges = [(lvl, chans[lvl], 1.0)]
+            if lvl in td:
+                edges.append((td[lvl], width, 1.0))
+            edges.append((below, width, 2.0))
+            self.fnode.append(Fnode(FpnCombine(edges, width), width))
+            chans.append(width)
+            below = len(chans) - 1
+        self.num_levels = n
+
+    def forward(self, x: Sequence[Tensor]) -> list[Tensor]:
+        nodes = list(x)
+        for fn in self.fnode:
+            nodes.append(fn(nodes))
+        n = self.num_levels
+        return [nodes[2 * n - 2], *nodes[-(n - 1) :]]  # the finest top-down node, bottom-up
+
+
+class HeadNet(nn.Module):
+    """effdet's ``HeadNet``: separable convs shared over the levels with a BatchNorm per level,
+    swish, then a shared separable predictor; the per-level maps flattened and concatenated
+    (as the loss's anchor assignment reads them), so outputs follow the pyramid."""
+
+    def __init__(self, width: int, levels: int, outputs: int, repeats: int = 1) -> None:
+        super().__init__()
+        self.conv_rep = nn.ModuleList(
+            SeparableConv2d(width, width, norm=False) for _ in range(repeats)
+        )
+        self.bn_rep = nn.ModuleList(
+            nn.ModuleList(nn.BatchNorm2d(width) for _ in range(levels)) for _ in range(repeats)
+        )
+        self.act = nn.SiLU()
+        self.predict = SeparableConv2d(width, outputs, bias=True, norm=False)
+
+    def forward(self, x: Sequence[Tensor]) -> Tensor:
+        outs = []
+        for lvl, y in enumerate(x):
+            for conv, bns in zip(self.conv_rep, self.bn_rep):
+                y = self.act(bns[lvl](conv(y)))
+            outs.append(self.predict(y).flatten(1))
+        return torch.cat(outs, 1)
+
+
+class BiFPN(nn.Module):
+    """An EfficientDet-style detector's neck and head over a backbone's pyramid: ``cells``
+    stacked BiFPN cells (the first resamples the backbone's channels with 1x1 conv + BN) and a
+    class head shared over the levels. Level ``l`` must be ``2**l`` times coarser than level 0
+    (max pool 3/2/1 and nearest upsampling by 2 meet again)."""
+
+    def __init__(
+        self,
+        in_channels: Sequence[int] = (2, 4, 4),
+        width: int = 4,
+        cells: int = 2,
+        outputs: int = 2,
+        head_repeats: int = 1,
+    ) -> None:
+        super().__init__()
+        chans = list(in_channels)
+        self.cells = nn.Sequential()
+        for _ in range(cells):
+            self.cells.append(BiFpnLayer(chans, width))
+            chans = [width] * len(in_channels)
+        self.class_net = HeadNet(width, len(in_channels), outputs, head_repeats)
+
+    def forward(self, levels: Sequence[Tensor]) -> Tensor:
+        return self.class_net(self.cells(list(levels)))
+
+
 # ---------------------------------------------------------------------- inputs
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -268,6 +427,62 @@ def _bn_cnn() -> nn.Module:
     for bn in (m.features[1], m.features[4]):
         bn.running_mean.uniform_(-0.5, 0.5)
         bn.running_var.uniform_(0.5, 2.0)
+    return m
+
+
+# ---------------------------------------------------------------------- BiFPN (effdet) inputs
+BIFPN_CHANNELS = (2, 4, 4)
+
+
+def bifpn_pyramids(
+    bases: Sequence[tuple[int, int]],
+    channels: Sequence[int] = BIFPN_CHANNELS,
+    seed: int = 0,
+    dtype: torch.dtype = DTYPE,
+) -> list[list[Tensor]]:
+    """One sample per ``(H, W)`` of its finest level, level ``l`` at ``(H, W) / 2**l`` (a
+    backbone's strides; ``H, W`` divisible by ``2**(L-1)``)."""
+    g = _gen(seed)
+    return [
+        [
+            torch.randn(c, h >> lvl, w >> lvl, generator=g, dtype=dtype)
+            for lvl, c in enumerate(channels)
+        ]
+        for h, w in bases
+    ]
+
+
+def bifpn_spread(model: nn.Module) -> mj.ParamSubset:
+    """Single entries spread through the cells: an edge weight of a top-down node in the first
+    cell, depthwise and pointwise conv entries of the last cell, BatchNorm scale and shift
+    entries in different cells, an edge weight of a bottom-up node of the last cell."""
+    last = len(model.cells) - 1
+    picks = {
+        "cells.0.fnode.0.combine.edge_weights": [1],
+        f"cells.{last}.fnode.1.after_combine.1.conv_dw.weight": [0, 5],
+        f"cells.{last}.fnode.3.after_combine.1.conv_pw.weight": [2],
+        "cells.0.fnode.2.after_combine.1.bn.weight": [1],
+        f"cells.{last}.fnode.2.after_combine.1.bn.bias": [0],
+        f"cells.{last}.fnode.3.combine.edge_weights": [0],
+    }
+    return mj.ParamSubset.from_indices(model, {k: torch.tensor(v) for k, v in picks.items()})
+
+
+#: zoo cases whose forward-mode routes over most of their parameter tensors take seconds (one
+#: vectorised forward pass per selected tensor through a deep model): the tests that run them
+#: so put those combinations in the slow tier
+FWD_HEAVY = {"bifpn_ragged"}
+
+
+def _bifpn() -> nn.Module:
+    m = BiFPN()
+    with torch.no_grad():  # non-trivial running statistics and edge weights
+        for mod in m.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.uniform_(-0.5, 0.5)
+                mod.running_var.uniform_(0.5, 2.0)
+            if isinstance(mod, FpnCombine):
+                mod.edge_weights.uniform_(0.2, 1.5)
     return m
 
 
@@ -378,6 +593,15 @@ CASES: list[Case] = [
         lambda: ragged_samples([[(4, 5), (2, 3)], [(3, 3), (1, 2)], [(4, 5), (2, 3)]], [2, 2]),
         glob="conv.*",
         ragged=True,
+    ),
+    # ------------------------------------------------------------------ BiFPN (effdet)
+    Case(
+        "bifpn_ragged",
+        _bifpn,
+        lambda: bifpn_pyramids([(4, 4), (8, 4), (4, 4)]),
+        glob="cells.1.fnode.*.after_combine.1.conv_pw.weight",
+        ragged=True,
+        ragged_outputs=True,
     ),
 ]
 

@@ -9,7 +9,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import CASE_IDS, CASES, SUBSET_KINDS, DenseHead, batched_tensor, make_subset
+from cases import (
+    CASE_IDS,
+    CASES,
+    FWD_HEAVY,
+    SUBSET_KINDS,
+    DenseHead,
+    batched_tensor,
+    make_subset,
+)
 from conftest import CASE_BY_ID, zoo_model, zoo_reference
 from torch import nn
 
@@ -37,9 +45,16 @@ def _combos() -> list:
         for kind in SUBSET_KINDS:
             for strategy in ("auto", "vmap", "bucketed", "padded"):
                 for mode in ("rev", "fwd", "auto"):
+                    # forward mode over most tensors of a deep model: seconds (slow tier)
+                    heavy = case_id in FWD_HEAVY and kind in ("all", "elements") and mode != "rev"
                     out.append(
                         pytest.param(
-                            case_id, strategy, mode, kind, id=f"{case_id}-{strategy}-{mode}-{kind}"
+                            case_id,
+                            strategy,
+                            mode,
+                            kind,
+                            id=f"{case_id}-{strategy}-{mode}-{kind}",
+                            marks=[pytest.mark.slow] * heavy,
                         )
                     )
             out.append(pytest.param(case_id, "loop", "auto", kind, id=f"{case_id}-loop-{kind}"))

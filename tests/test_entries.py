@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import CASES, DTYPE
+from cases import CASES, DTYPE, FWD_HEAVY
 from conftest import CASE_BY_ID, zoo_model
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -58,8 +58,20 @@ def assert_matches(res: mj.JacobianResult, ref: mj.JacobianResult) -> None:
 
 
 @pytest.mark.parametrize("kind", ["entries", "whole"])
-@pytest.mark.parametrize("mode", ["fwd", "rev"])
-@pytest.mark.parametrize("case_id", [c.id for c in CASES])
+@pytest.mark.parametrize(
+    ("case_id", "mode"),
+    [
+        pytest.param(
+            c.id,
+            mode,
+            id=f"{c.id}-{mode}",
+            # forward mode over every tensor of a deep model: seconds (slow tier)
+            marks=[pytest.mark.slow] * (c.id in FWD_HEAVY and mode == "fwd"),
+        )
+        for c in CASES
+        for mode in ("fwd", "rev")
+    ],
+)
 def test_structured_matches_loop(case_id: str, mode: str, kind: str) -> None:
     case = CASE_BY_ID[case_id]
     model = zoo_model(case_id)

@@ -473,3 +473,136 @@ def test_a_given_chunk_size_is_not_timed(monkeypatch) -> None:
     res = mj.per_sample_jacobian(model, x, strategy="vmap", mode="rev", chunk_size=8)
     assert res.chunk_size == 8
     assert not [n for n in res.notes if " in calls of " in n], res.notes
+
+
+# ---------------------------------------------------------------------- every sample its own shape
+def _own_shapes() -> list:
+    """Four samples of ``DenseHead``, each with a shape of its own (every bucket a singleton)."""
+    from cases import ragged_samples
+
+    return ragged_samples([[(3, 4)], [(2, 2)], [(4, 3)], [(1, 2)]], [2])
+
+
+def _forced_estimates(monkeypatch, ratio: float) -> None:
+    """The engine's route estimates (``plan_seconds`` in :meth:`tune`): 1 s for the cost
+    model's own choice (planned first), ``ratio`` s for every other route."""
+    from multiscale_jac import engine
+
+    first: list = []
+
+    def fake(plan) -> float:
+        first.append(first[0] if first else plan)
+        return 1.0 if plan is first[0] else ratio
+
+    monkeypatch.setattr(engine, "plan_seconds", fake)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "deep", "timed"),
+    [
+        (2.0, False, True),  # within the cost model's known error (SHORTLIST): timed
+        (10.0, False, False),  # ruled out by the estimate: not timed
+        (10.0, True, True),  # a deep model: its estimates are known to be further off
+        (100.0, True, False),  # beyond DEEP_SHORTLIST even so
+    ],
+)
+def test_close_estimates_are_timed_on_singleton_buckets(
+    monkeypatch, ratio: float, deep: bool, timed: bool
+) -> None:
+    """``tune="auto"`` times the routes estimated within the model's error of each other also
+    where every sample has a shape of its own (it did not: the largest bucket had one sample),
+    each route on samples of its own; far estimates are not timed. The timed samples stay in
+    the result: exact against the loop either way."""
+    from multiscale_jac import engine
+
+    monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 4)
+    monkeypatch.setattr(engine, "DEEP_DEPTH", 1 if deep else 10**9)
+    _forced_estimates(monkeypatch, ratio)
+    model = CASE_BY_ID["dense_per_pixel"].build()
+    res = mj.per_sample_jacobian(model, _own_shapes(), params="cls.*", entries="generic")
+    probed = mj.plan_cache_info().probed
+    spread = [n for n in res.notes if n.startswith("tune: every sample has a shape of its own")]
+    assert (probed > 0) == timed and bool(spread) == timed, res.notes
+    assert any(n.startswith("tune: a deep model") for n in res.notes) == (deep and timed)
+    ref = mj.reference.per_sample_jacobian_loop(model, _own_shapes(), params="cls.*")
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+    again = mj.per_sample_jacobian(model, _own_shapes(), params="cls.*", entries="generic")
+    assert mj.plan_cache_info().probed == probed  # cached: no second probe
+    torch.testing.assert_close(again.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(("tune", "timed"), [("estimate", False), ("measure", True)])
+def test_tune_estimate_never_times_and_measure_always(monkeypatch, tune: str, timed: bool) -> None:
+    """Close estimates on singleton buckets: ``estimate`` never times, ``measure`` always (the
+    fixture keeps ``auto`` from timing here: MIN_PROBE_BATCH)."""
+    _forced_estimates(monkeypatch, 1.0)
+    model = CASE_BY_ID["dense_per_pixel"].build()
+    res = mj.per_sample_jacobian(model, _own_shapes(), params="cls.*", tune=tune)
+    assert (mj.plan_cache_info().probed > 0) == timed, res.notes
+    ref = mj.reference.per_sample_jacobian_loop(model, _own_shapes(), params="cls.*")
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+
+
+def test_a_memory_budget_bounds_the_timed_routes(monkeypatch) -> None:
+    """Every timed route is planned within ``memory_budget`` (a route that does not fit is no
+    candidate): under a budget the singleton buckets are timed and the result is exact."""
+    _forced_estimates(monkeypatch, 1.0)
+    model = CASE_BY_ID["dense_per_pixel"].build()
+    ref = mj.reference.per_sample_jacobian_loop(model, _own_shapes(), params="cls.*")
+    budget = ref.jacobian.numel() * 8 * 4 + 2**20
+    res = mj.per_sample_jacobian(
+        model, _own_shapes(), params="cls.*", tune="measure", memory_budget=budget
+    )
+    assert mj.plan_cache_info().probed > 0, res.notes
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(("times", "noted"), [((8.0, 1.0), True), ((1.5, 1.0), False)])
+def test_a_contradicted_estimate_says_what_the_cost_model_missed(times, noted: bool) -> None:
+    """Where the timing ranks the estimate's choice below another route by SHORTLIST x or
+    more against the estimate, a note gives both routes' estimates and times for the job and
+    what the cost model missed (here: seconds a pass far over its per-pass constant)."""
+    from multiscale_jac import engine
+    from multiscale_jac._checks import prepare
+    from multiscale_jac._planning import EngineOptions
+    from multiscale_jac.enums import Tune
+
+    model = CASE_BY_ID["dense_per_pixel"].build()
+    prep = prepare(
+        model,
+        _own_shapes(),
+        params="cls.*",
+        output_fn=None,
+        batch_norm="error",
+        randomness="error",
+        input_kind=None,
+    )
+    run = engine._EngineRun(
+        prep.function(prep.packed), prep.packed, EngineOptions(tune=Tune.MEASURE)
+    )
+    run.first()
+    (first, _), (other, _) = run.trial[:2]
+    run.estimates = {first: 1.0, other: 2.0}  # the estimate's choice: twice as fast
+    slow, fast = times  # per sample (4 samples)
+    run._contradiction(first, other, {first: slow, other: fast}, dict(run.trial))
+    notes = [n for n in run.notes if "contradicts the estimate" in n]
+    assert bool(notes) == noted, run.notes
+    if noted:
+        assert f"by {round(slow / fast * 2)}x" in notes[0]
+        assert "measured 32 s and 4 s for the job" in notes[0]
+        assert notes[0].endswith("is what it missed"), notes[0]
+
+
+def test_bifpn_entries_spread_through_its_cells_on_own_shapes() -> None:
+    """The BiFPN with single entries spread through its cells (edge weights, convs, BatchNorm)
+    on pyramids of a shape each: every route timed on samples of its own, the result exact."""
+    from cases import bifpn_pyramids, bifpn_spread
+
+    model = CASE_BY_ID["bifpn_ragged"].build()
+    subset = bifpn_spread(model)
+    inputs = lambda: bifpn_pyramids([(4, 4), (8, 4), (4, 8), (8, 8)])  # noqa: E731
+    res = mj.per_sample_jacobian(model, inputs(), params=subset, tune="measure")
+    assert any(n.startswith("tune: every sample has a shape of its own") for n in res.notes)
+    ref = mj.reference.per_sample_jacobian_loop(model, inputs(), params=subset)
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
+    torch.testing.assert_close(res.outputs, ref.outputs, atol=1e-10, rtol=0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cases import CASE_IDS, CASES, make_subset
+from cases import BIFPN_CHANNELS, CASE_IDS, CASES, make_subset
 from conftest import CASE_BY_ID, examples, zoo_model
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
@@ -40,6 +40,19 @@ def _finest_doubled(pyramid) -> list:
     """Two-level samples whose finest level is exactly twice the coarse one (what
     ``F.interpolate(scale_factor=2)`` in ``fpn_scale_ragged`` needs)."""
     return [[x.repeat_interleave(2, -1).repeat_interleave(2, -2), y] for x, y in pyramid]
+
+
+def _bifpn_strides(pyramid) -> list:
+    """Three-level samples at strides 1, 2 and 4 exactly (what ``bifpn_ragged``'s max pooling
+    and nearest upsampling by 2 need), from levels drawn at one size."""
+    return [
+        [
+            x.repeat_interleave(4, -1).repeat_interleave(4, -2),
+            y.repeat_interleave(2, -1).repeat_interleave(2, -2),
+            z,
+        ]
+        for x, y, z in pyramid
+    ]
 
 
 SMALL = {"max_size": 4, "batch_size": (1, 3)}
@@ -69,6 +82,9 @@ ZOO_INPUTS = {
     ),
     "anchor_cache_head": pyramids(channels=(2, 3), strides=(1, 2), **SMALL),
     "coord_grid": pyramids(channels=2, strides=(1, 2), **SMALL),
+    "bifpn_ragged": pyramids(
+        channels=BIFPN_CHANNELS, strides=(1, 1, 1), max_size=2, batch_size=(1, 3)
+    ).map(_bifpn_strides),
 }
 
 
