@@ -55,7 +55,7 @@ from ._checks import (
     warn_fallback,
 )
 from ._distributed import Reducer
-from ._likelihood import TALLY, NllTally, check_target, ggn_factors, nll_sum, output_gradient
+from ._likelihood import check_target, ggn_factors, nll_sum, output_gradient
 from ._ops import twice_differentiable
 from ._planning import EngineOptions
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
@@ -1355,26 +1355,22 @@ class DiagLaplace(SubnetLaplace):
         """
         show = check_bool(progress, "progress") | check_bool(progress_bar, "progress_bar")
         override = check_bool(override, "override")
-        reducer = Reducer(process_group)
-        tap = _LossTap(train_loader, self._batch_loss, reducer)
         kind = "exact" if self.hessian is HessianKind.GGN else "empirical"
-        token = TALLY.set(tap.tally)  # the loss from the fisher's own forward passes
-        try:
-            res = diag_fisher(
-                self.model,
-                tap,
-                params=self.subset,
-                likelihood=self.likelihood,
-                kind=kind,
-                sigma_noise=1.0,
-                progress=show,
-                process_group=process_group,
-                **self._fisher_options,
-            )
-        finally:
-            TALLY.reset(token)
+        res = diag_fisher(  # the loss at the MAP from the fisher's own forward passes
+            self.model,
+            train_loader,
+            params=self.subset,
+            likelihood=self.likelihood,
+            kind=kind,
+            sigma_noise=1.0,
+            progress=show,
+            process_group=process_group,
+            return_loss=True,
+            **self._fisher_options,
+        )
         h = (res.flat * res.num_samples).to(self.mean)
-        loss, n_out = reducer.sum_numbers([tap.loss, float(tap.n_outputs)], h)
+        loss = float(res.loss)  # type: ignore[arg-type]
+        n_out = res.num_outputs if self.likelihood is Likelihood.REGRESSION else 0
         if override or self.H is None:
             self.H, self.loss, self.n_data, self.n_outputs = h, loss, 0, 0
         else:
@@ -1383,33 +1379,6 @@ class DiagLaplace(SubnetLaplace):
         self.n_outputs += int(n_out)
         self._chol = None
         return self
-
-    def _batch_loss(self, batch: Any, seen: int) -> tuple[float, int]:
-        """The negative log-likelihood sum (at ``sigma = 1``) and the regression output
-        entries of one ``(inputs, targets)`` batch (``seen`` samples before it): one batched
-        forward pass per shape bucket (chunked by ``chunk_size``), without gradients."""
-        inputs, targets = pair(batch)
-        packed = self._prep.pack(inputs, finite=True)
-        fn = self._prep.function(packed, output_fn=Capture(self.output_fn, type(self).__name__))
-        ys = [t.to(self.mean.device) for t in split_targets(targets, len(packed))]
-        loss, n_out = 0.0, 0
-        with torch.no_grad():
-            for bucket in packed.buckets():
-                step = self.chunk_size or len(bucket.indices)
-                for a in range(0, len(bucket.indices), step):
-                    idx = list(bucket.indices[a : a + step])
-                    out = fn.call_batch(packed.stack(idx))
-                    y = torch.stack(
-                        [
-                            check_target(
-                                ys[i], out.shape[1:], self.likelihood, self.ignore_index, seen + i
-                            )
-                            for i in idx
-                        ]
-                    )
-                    loss += float(nll_sum(out, y, self.likelihood, 1.0, self.ignore_index))
-                    n_out += out.numel() if self.likelihood is Likelihood.REGRESSION else 0
-        return loss, n_out
 
     # ------------------------------------------------------------------ posterior (diagonal)
     def posterior_precision_matrix(
@@ -1454,58 +1423,6 @@ class DiagLaplace(SubnetLaplace):
 
     def _kept_bytes(self) -> int:
         return 6 * self.subset.numel * self.mean.element_size()
-
-
-class _LossTap:
-    """``data`` passed through to :func:`~multiscale_jac.diag_fisher`; on the way, the loss of
-    the batches this rank fits (its shard, as the fisher's own sharding takes them): from the
-    fisher's batched forward passes (:class:`~._likelihood.NllTally`), or, for a batch some of
-    whose samples ran otherwise, by ``loss_fn`` (one more forward pass)."""
-
-    def __init__(
-        self,
-        data: Iterable[Any],
-        loss_fn: Callable[[Any, int], tuple[float, int]],
-        reducer: Reducer,
-    ) -> None:
-        self.data, self.loss_fn, self.reducer = data, loss_fn, reducer
-        # the fisher reads these to see whether the user sharded the data already
-        self.sampler = getattr(data, "sampler", None)
-        self.batch_sampler = getattr(data, "batch_sampler", None)
-        self.tally = NllTally()
-
-    @property
-    def loss(self) -> float:
-        return self.tally.loss
-
-    @property
-    def n_outputs(self) -> int:
-        return self.tally.outputs
-
-    def __iter__(self) -> Iterator[Any]:
-        world, rank = self.reducer.world, self.reducer.rank
-        every = world == 1 or _distributed_sampler(self.data)
-        t = self.tally
-        for k, batch in enumerate(self.data):
-            if not (every or k % world == rank):
-                yield batch
-                continue
-            before = (t.loss, t.outputs, t.samples, t.expected)
-            yield batch  # the fisher runs it before it asks for the next one
-            if t.samples - before[2] != t.expected - before[3]:
-                loss, n_out = self.loss_fn(batch, before[3])
-                t.loss, t.outputs = before[0] + loss, before[1] + n_out
-                t.samples = t.expected
-
-
-def _distributed_sampler(data: Any) -> bool:
-    """Whether ``data`` is a DataLoader sharded by a ``DistributedSampler``."""
-    from torch.utils.data.distributed import DistributedSampler
-
-    inner = getattr(getattr(data, "batch_sampler", None), "sampler", None)
-    return isinstance(getattr(data, "sampler", None), DistributedSampler) or isinstance(
-        inner, DistributedSampler
-    )
 
 
 #: laplace-torch options with no counterpart here, and what to do instead
