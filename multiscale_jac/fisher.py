@@ -197,12 +197,9 @@ def diag_fisher(
         generator: Seeds the labels drawn for ``kind="mc"``.
         process_group: With ``torch.distributed`` initialised, every rank processes its shard
             of ``data`` and the sums are all-reduced once: every rank gets the whole result.
-        return_loss: Also sum the negative log-likelihood of the targets
-            (:attr:`DiagFisherResult.loss`, at ``sigma_noise``; the labels of ``kind="mc"``
-            are drawn, the loss is of the data's own): from the outputs of the layer-wise
-            batched passes, or, for a batch some of whose samples ran otherwise (``vmap``,
-            per-sample Jacobians), from one more forward pass of that batch without gradients
-            (in runs of ``chunk_size`` samples per shape bucket).
+        return_loss: Also sum the negative log-likelihood of the data's own targets at
+            ``sigma_noise`` (:attr:`DiagFisherResult.loss`; from the same batched passes where
+            a batch ran layer-wise, else one more forward pass of it without gradients).
 
     Returns:
         A :class:`DiagFisherResult`.
@@ -232,11 +229,14 @@ def diag_fisher(
         loss=check_bool(return_loss, "return_loss"),
     )
     show = check_bool(progress, "progress")
-    run = _FisherRun(prep, opts)
-    reducer = Reducer(process_group)
+    return _stream(_FisherRun(prep, opts), data, show, Reducer(process_group))
+
+
+def _stream(run: _FisherRun, data: Iterable[Any], show: bool, reducer: Reducer) -> DiagFisherResult:
+    """This rank's batches of ``data`` into ``run``; the result summed over the ranks."""
     for batch in with_progress(reducer.shard(data), show, "diag_fisher"):
         inputs, targets = pair(batch)
-        run.add(prep.pack(inputs, finite=True), targets)
+        run.add(run.prep.pack(inputs, finite=True), targets)
     return run.result(reducer)
 
 
@@ -257,15 +257,48 @@ class _Options:
 
 @dataclass
 class _LossSum:
-    """``return_loss=True``: the negative log-likelihood summed so far (``total``), added from
-    the outputs of the batched passes as they run; ``samples`` counts the current batch's
-    samples whose loss was added and ``before`` is the total before that batch (a batch not
-    all of whose samples ran batched is summed again by one more forward pass)."""
+    """``return_loss=True``: the negative log-likelihood of the data summed so far (``total``),
+    added from the outputs of the batched passes as they run. ``samples`` counts the current
+    batch's samples whose loss was added and ``before`` is the total before that batch: a batch
+    not all of whose samples ran batched is summed again by one more forward pass."""
 
+    opts: _Options
     total: float = 0.0
     before: float = 0.0
     samples: int = 0
     paused: bool = False  # the dropped timing runs add nothing
+
+    def start(self) -> None:
+        self.before, self.samples = self.total, 0
+
+    def add(self, out: Tensor, y: Tensor) -> None:
+        """A batched pass's loss: outputs ``out`` ``(n, ...)``, targets ``y``."""
+        opts = self.opts
+        if opts.loss and not self.paused:
+            self.total += float(nll_sum(out.detach(), y, opts.likelihood, opts.sigma, opts.ignore))
+            self.samples += out.shape[0]
+
+    def finish(self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]) -> None:
+        """The batch's loss by one more forward pass where not all its samples ran batched."""
+        if self.opts.loss and self.samples != len(packed):
+            self.total = self.before + _batch_loss(fn, packed, targets, self.opts)
+
+
+def _batch_loss(
+    fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor], opts: _Options
+) -> float:
+    """The negative log-likelihood sum of a batch by one batched forward pass per shape bucket
+    (in runs of ``chunk_size`` samples), without gradients."""
+    loss = 0.0
+    with torch.no_grad():
+        for bucket in packed.buckets():
+            step = opts.chunk or len(bucket.indices)
+            for a in range(0, len(bucket.indices), step):
+                idx = list(bucket.indices[a : a + step])
+                out = fn.call_batch(packed.stack(idx))
+                y = torch.stack([targets[i] for i in idx])
+                loss += float(nll_sum(out, y, opts.likelihood, opts.sigma, opts.ignore))
+    return loss
 
 
 class _FisherRun:
@@ -292,15 +325,14 @@ class _FisherRun:
         self.key: Any = None  # the plan-cache key of the first batch (method="auto")
         self.lw_chunk: int | None = None  # the layer-wise chunk ``auto`` chose
         self.devices = [prep.device] if prep.device.type == "cuda" else []
-        self.loss = _LossSum() if opts.loss else None
+        self.loss = _LossSum(opts)
         self.num_outputs = 0
 
     # ------------------------------------------------------------------ per batch
     def add(self, packed: PackedBatch, targets: Any) -> None:
         device = self.prep.device
         per_sample = [t.to(device) for t in split_targets(targets, len(packed))]
-        if self.loss is not None:
-            self.loss.before, self.loss.samples = self.loss.total, 0
+        self.loss.start()
         fn = self.prep.function(packed, output_fn=Capture(self.prep.output_fn, "diag_fisher"))
         self._recall(packed)
         per_sample = self._check_targets(fn, packed, per_sample)
@@ -310,25 +342,7 @@ class _FisherRun:
             self.chunks = (self.lw_chunk, self.chunks[1])
         if not self._tune(fn, packed, per_sample):
             self._add_terms(fn, packed, per_sample)
-        if self.loss is not None and self.loss.samples != len(packed):
-            self.loss.total = self.loss.before + self._batch_loss(fn, packed, per_sample)
-
-    def _batch_loss(
-        self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]
-    ) -> float:
-        """The negative log-likelihood sum of a batch by one batched forward pass per shape
-        bucket (in runs of ``chunk_size`` samples), without gradients: for a batch some of
-        whose samples did not run batched."""
-        opts, loss = self.opts, 0.0
-        with torch.no_grad():
-            for bucket in packed.buckets():
-                step = opts.chunk or len(bucket.indices)
-                for a in range(0, len(bucket.indices), step):
-                    idx = list(bucket.indices[a : a + step])
-                    out = fn.call_batch(packed.stack(idx))
-                    y = torch.stack([targets[i] for i in idx])
-                    loss += float(nll_sum(out, y, opts.likelihood, opts.sigma, opts.ignore))
-        return loss
+        self.loss.finish(fn, packed, per_sample)
 
     def _choosing(self) -> bool:
         """``method="auto"`` with a layer-wise plan whose choice against ``vmap`` is open."""
@@ -424,8 +438,7 @@ class _FisherRun:
         self.chunks = (chunk, chunk) if method is FisherMethod.LAYERWISE else (None, chunk)
         generator = self.opts.generator
         state = None if generator is None else generator.get_state()
-        if self.loss is not None:
-            self.loss.paused = True
+        self.loss.paused = True
         COUNTS["probe"] += 1
         try:
             with torch.random.fork_rng(devices=self.devices), stopwatch(self.devices) as elapsed:
@@ -435,8 +448,7 @@ class _FisherRun:
         except NotLayerwiseError:  # not a candidate after all
             return float("inf")
         finally:
-            if self.loss is not None:
-                self.loss.paused = False
+            self.loss.paused = False
             if generator is not None:
                 generator.set_state(state)
             self.plan, self.chunks = saved
@@ -622,7 +634,7 @@ class _FisherRun:
     ) -> dict[str, Tensor]:
         """One batched run of a chunk: the layer-wise sums (selected entries)."""
         lv, out, run = self._batched_run(fn, levels)
-        self._add_loss(out, y)
+        self.loss.add(out, y)
         objectives = [
             (
                 nll_sum(
@@ -637,16 +649,6 @@ class _FisherRun:
             for u in noise
         ]
         return _selected(fn.subset, run.backward(objectives, lv))
-
-    def _add_loss(self, out: Tensor, y: Tensor) -> None:
-        """A batched pass's loss (outputs ``out`` ``(n, ...)``, targets ``y``) into the loss
-        sum, where ``return_loss`` asked for one."""
-        loss, opts = self.loss, self.opts
-        if loss is None or loss.paused:
-            return
-        nll = nll_sum(out.detach(), y, opts.likelihood, opts.sigma, opts.ignore)
-        loss.total += float(nll)
-        loss.samples += out.shape[0]
 
     def _batched_run(
         self, fn: PerSampleFunction, levels: list[Tensor]
@@ -684,7 +686,7 @@ class _FisherRun:
                         "exact GGN of dense logits: per-position blocks, by per-sample Jacobians"
                     )
                     return None
-                self._add_loss(out, torch.stack([targets[i] for i in idx]))
+                self.loss.add(out, torch.stack([targets[i] for i in idx]))
                 _add(totals, _selected(fn.subset, run.backward(self._root_objectives(out), lv)))
         return totals
 
@@ -739,9 +741,8 @@ class _FisherRun:
         ]
         flat = self.subset.to_flat_order(torch.cat(grouped))
         reducer.sum_([flat])
-        loss = None if self.loss is None else self.loss.total
-        count, loss_sum, outputs = reducer.sum_numbers(
-            [float(self.count), loss or 0.0, float(self.num_outputs)], flat
+        count, loss, outputs = reducer.sum_numbers(
+            [float(self.count), self.loss.total, float(self.num_outputs)], flat
         )
         if count == 0:
             raise ValueError("data yielded no samples")
@@ -760,7 +761,7 @@ class _FisherRun:
             method,
             plan,
             tuple(self.notes),
-            None if loss is None else loss_sum,
+            loss if self.opts.loss else None,
             int(outputs),
         )
 
