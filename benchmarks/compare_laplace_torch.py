@@ -1,11 +1,11 @@
 """Check :class:`multiscale_jac.SubnetLaplace` against laplace-torch's subnetwork Laplace.
 
 laplace-torch (``pip install laplace-torch``; Immer et al., Daxberger et al.) is the reference
-implementation our conventions follow (see the docstring of ``multiscale_jac/laplace.py``). For
-three small float64 models and a subset of 24-40 entries, given to laplace-torch as
-``subnetwork_indices`` (indices into ``parameters_to_vector(model.parameters())``) and to us as
-``ParamSubset.from_flat_indices(model, idx)``, the script fits both on the same ``DataLoader``
-(uneven last batch) and compares
+implementation our conventions follow (see the docstring of
+``multiscale_jac/laplace/__init__.py``). For three small float64 models and a subset of 24-40
+entries, given to laplace-torch as ``subnetwork_indices`` (indices into
+``parameters_to_vector(model.parameters())``) and to us as ``ParamSubset.from_flat_indices(model,
+idx)``, the script fits both on the same ``DataLoader`` (uneven last batch) and compares
 
 * ``H``: the subset GGN (laplace-torch's ``la.H``), the loss, the subset MAP (same order),
   the posterior precision and covariance;

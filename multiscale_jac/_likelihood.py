@@ -10,9 +10,7 @@ number of entries. ``Lambda``, the Hessian of the negative log-likelihood w.r.t.
 
 from __future__ import annotations
 
-import contextvars
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,8 +18,6 @@ from torch import Tensor
 from .enums import Likelihood
 
 __all__ = [
-    "TALLY",
-    "NllTally",
     "check_target",
     "check_targets",
     "draw_noise",
@@ -30,32 +26,6 @@ __all__ = [
     "nll_sum",
     "output_gradient",
 ]
-
-
-@dataclass
-class NllTally:
-    """The data's negative log-likelihood summed by :func:`~multiscale_jac.diag_fisher` from
-    the outputs of its batched passes (at ``sigma = 1``), for a caller that needs the loss at
-    the MAP too (``DiagLaplace.fit``: no second forward pass). ``expected`` counts the samples
-    handed to the fisher, ``samples`` those whose loss was added (a batch with fewer ran some
-    samples by ``vmap`` or per-sample Jacobians; its caller computes that batch's loss)."""
-
-    loss: float = 0.0
-    outputs: int = 0  # regression output entries
-    samples: int = 0
-    expected: int = 0
-
-    def add(self, out: Tensor, y: Tensor, likelihood: Likelihood, ignore_index: int) -> None:
-        """Add the loss of a batch's outputs ``out`` ``(n, ...)`` with targets ``y``."""
-        self.loss += float(nll_sum(out.detach(), y, likelihood, 1.0, ignore_index))
-        self.outputs += out.numel() if likelihood is Likelihood.REGRESSION else 0
-        self.samples += out.shape[0]
-
-
-#: the tally the current call adds to (set around one call by its caller, ``None`` otherwise)
-TALLY: contextvars.ContextVar[NllTally | None] = contextvars.ContextVar(
-    "multiscale_jac_nll_tally", default=None
-)
 
 
 def check_target(

@@ -13,6 +13,10 @@ out), regression outputs of any shape with targets of as many entries.
 * ``kind="exact"``: ``F = 1/N sum_i diag(J_i^T Lambda_i J_i)`` with ``Lambda`` the Hessian of the
   negative log-likelihood w.r.t. the outputs (``diag(p) - p p^T`` per position; ``1/sigma^2``).
 
+``return_loss=True`` also sums the negative log-likelihood of the data's targets, from the
+outputs of the same batched passes where the batch ran layer-wise (one more forward pass per
+batch otherwise): a Laplace fit needs the loss at the MAP beside the curvature.
+
 Memory: per-sample gradients (``empirical``, ``mc``) are formed ``chunk`` samples at a time and
 squared into a ``(P,)`` accumulator; ``exact`` takes per-sample Jacobians of a chunk from the
 engine and reduces them at once. Nothing of size ``N x P`` is held. With dropout in train mode
@@ -44,7 +48,6 @@ from ._checks import (
 )
 from ._distributed import Reducer
 from ._likelihood import (
-    TALLY,
     check_targets,
     draw_noise,
     ggn_factors,
@@ -114,6 +117,11 @@ class DiagFisherResult:
         plan: Per selected tensor, the rule used (``gram``, ``per_sample``, ``norm_affine``
             from :class:`~multiscale_jac.LayerRule`, ``vmap`` or ``jacobian``).
         notes: Why tensors took ``vmap`` and any fallback.
+        loss: With ``return_loss=True``, the negative log-likelihood of the targets summed
+            over the data at the parameters' values, without constants: the cross-entropy
+            summed over the labelled positions (classification) or ``0.5 * sum (f - y)^2 /
+            sigma_noise^2`` (regression); ``None`` otherwise.
+        num_outputs: Output entries (after ``output_fn``) summed over the samples.
     """
 
     flat: Tensor
@@ -124,6 +132,8 @@ class DiagFisherResult:
     method: str = ""
     plan: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = field(default=())
+    loss: float | None = None
+    num_outputs: int = 0
 
     def as_dict(self) -> dict[str, Tensor]:
         """Per-tensor diagonals shaped like the selected entries."""
@@ -151,6 +161,7 @@ def diag_fisher(
     progress: bool = False,
     generator: torch.Generator | None = None,
     process_group: Any = None,
+    return_loss: bool = False,
 ) -> DiagFisherResult:
     """Diagonal Fisher / GGN of the selected parameters, averaged over ``data``.
 
@@ -186,6 +197,9 @@ def diag_fisher(
         generator: Seeds the labels drawn for ``kind="mc"``.
         process_group: With ``torch.distributed`` initialised, every rank processes its shard
             of ``data`` and the sums are all-reduced once: every rank gets the whole result.
+        return_loss: Also sum the negative log-likelihood of the data's own targets at
+            ``sigma_noise`` (:attr:`DiagFisherResult.loss`; from the same batched passes where
+            a batch ran layer-wise, else one more forward pass of it without gradients).
 
     Returns:
         A :class:`DiagFisherResult`.
@@ -212,13 +226,17 @@ def diag_fisher(
         memory_budget=check_memory_budget(memory_budget),
         generator=check_generator(generator),
         strict=check_bool(strict, "strict"),
+        loss=check_bool(return_loss, "return_loss"),
     )
     show = check_bool(progress, "progress")
-    run = _FisherRun(prep, opts)
-    reducer = Reducer(process_group)
+    return _stream(_FisherRun(prep, opts), data, show, Reducer(process_group))
+
+
+def _stream(run: _FisherRun, data: Iterable[Any], show: bool, reducer: Reducer) -> DiagFisherResult:
+    """This rank's batches of ``data`` into ``run``; the result summed over the ranks."""
     for batch in with_progress(reducer.shard(data), show, "diag_fisher"):
         inputs, targets = pair(batch)
-        run.add(prep.pack(inputs, finite=True), targets)
+        run.add(run.prep.pack(inputs, finite=True), targets)
     return run.result(reducer)
 
 
@@ -234,6 +252,53 @@ class _Options:
     memory_budget: int | None
     generator: torch.Generator | None
     strict: bool
+    loss: bool = False
+
+
+@dataclass
+class _LossSum:
+    """``return_loss=True``: the negative log-likelihood of the data summed so far (``total``),
+    added from the outputs of the batched passes as they run. ``samples`` counts the current
+    batch's samples whose loss was added and ``before`` is the total before that batch: a batch
+    not all of whose samples ran batched is summed again by one more forward pass."""
+
+    opts: _Options
+    total: float = 0.0
+    before: float = 0.0
+    samples: int = 0
+    paused: bool = False  # the dropped timing runs add nothing
+
+    def start(self) -> None:
+        self.before, self.samples = self.total, 0
+
+    def add(self, out: Tensor, y: Tensor) -> None:
+        """A batched pass's loss: outputs ``out`` ``(n, ...)``, targets ``y``."""
+        opts = self.opts
+        if opts.loss and not self.paused:
+            self.total += float(nll_sum(out.detach(), y, opts.likelihood, opts.sigma, opts.ignore))
+            self.samples += out.shape[0]
+
+    def finish(self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]) -> None:
+        """The batch's loss by one more forward pass where not all its samples ran batched."""
+        if self.opts.loss and self.samples != len(packed):
+            self.total = self.before + _batch_loss(fn, packed, targets, self.opts)
+
+
+def _batch_loss(
+    fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor], opts: _Options
+) -> float:
+    """The negative log-likelihood sum of a batch by one batched forward pass per shape bucket
+    (in runs of ``chunk_size`` samples), without gradients."""
+    loss = 0.0
+    with torch.no_grad():
+        for bucket in packed.buckets():
+            step = opts.chunk or len(bucket.indices)
+            for a in range(0, len(bucket.indices), step):
+                idx = list(bucket.indices[a : a + step])
+                out = fn.call_batch(packed.stack(idx))
+                y = torch.stack([targets[i] for i in idx])
+                loss += float(nll_sum(out, y, opts.likelihood, opts.sigma, opts.ignore))
+    return loss
 
 
 class _FisherRun:
@@ -260,22 +325,24 @@ class _FisherRun:
         self.key: Any = None  # the plan-cache key of the first batch (method="auto")
         self.lw_chunk: int | None = None  # the layer-wise chunk ``auto`` chose
         self.devices = [prep.device] if prep.device.type == "cuda" else []
+        self.loss = _LossSum(opts)
+        self.num_outputs = 0
 
     # ------------------------------------------------------------------ per batch
     def add(self, packed: PackedBatch, targets: Any) -> None:
         device = self.prep.device
         per_sample = [t.to(device) for t in split_targets(targets, len(packed))]
-        tally = TALLY.get()
-        if tally is not None:
-            tally.expected += len(packed)
+        self.loss.start()
         fn = self.prep.function(packed, output_fn=Capture(self.prep.output_fn, "diag_fisher"))
         self._recall(packed)
         per_sample = self._check_targets(fn, packed, per_sample)
+        self.num_outputs += sum(self.shapes[s].numel() for s in packed.signatures)
         self.chunks = self._chunk_sizes(fn, packed)
         if self.lw_chunk:
             self.chunks = (self.lw_chunk, self.chunks[1])
         if not self._tune(fn, packed, per_sample):
             self._add_terms(fn, packed, per_sample)
+        self.loss.finish(fn, packed, per_sample)
 
     def _choosing(self) -> bool:
         """``method="auto"`` with a layer-wise plan whose choice against ``vmap`` is open."""
@@ -310,7 +377,7 @@ class _FisherRun:
         the largest bucket's first samples at the chunk it would run at, once to warm up and
         timed after (a route's first run of a shape paid 3-5x its later time), the routes
         within 15% of the fastest timed once more; those results are dropped (random state
-        and loss tallies untouched). The fastest route over the bucket in whole chunks is
+        and the loss sum untouched). The fastest route over the bucket in whole chunks is
         cached with its chunk. Candidates: layer-wise in chunks of :data:`_VMAP_CHUNK` and of
         up to :data:`_LAYERWISE_CHUNK` samples (or the chunk asked for), and ``vmap``.
         Returns whether it ran the batch."""
@@ -362,7 +429,7 @@ class _FisherRun:
     ) -> float:
         """Seconds per sample of ``route`` on the first samples of ``bucket`` (one chunk of
         the route's size), its result dropped: the random state, the generator and the loss
-        tally are as before."""
+        sum are as before."""
         method, chunk = route
         idx = bucket.indices[:chunk]
         sub = packed.select(idx)
@@ -371,7 +438,7 @@ class _FisherRun:
         self.chunks = (chunk, chunk) if method is FisherMethod.LAYERWISE else (None, chunk)
         generator = self.opts.generator
         state = None if generator is None else generator.get_state()
-        tally = TALLY.set(None)
+        self.loss.paused = True
         COUNTS["probe"] += 1
         try:
             with torch.random.fork_rng(devices=self.devices), stopwatch(self.devices) as elapsed:
@@ -381,7 +448,7 @@ class _FisherRun:
         except NotLayerwiseError:  # not a candidate after all
             return float("inf")
         finally:
-            TALLY.reset(tally)
+            self.loss.paused = False
             if generator is not None:
                 generator.set_state(state)
             self.plan, self.chunks = saved
@@ -567,7 +634,7 @@ class _FisherRun:
     ) -> dict[str, Tensor]:
         """One batched run of a chunk: the layer-wise sums (selected entries)."""
         lv, out, run = self._batched_run(fn, levels)
-        self._tally(out, y)
+        self.loss.add(out, y)
         objectives = [
             (
                 nll_sum(
@@ -582,12 +649,6 @@ class _FisherRun:
             for u in noise
         ]
         return _selected(fn.subset, run.backward(objectives, lv))
-
-    def _tally(self, out: Tensor, y: Tensor) -> None:
-        """The batch's loss into the caller's :data:`~._likelihood.TALLY`, where one is set."""
-        tally = TALLY.get()
-        if tally is not None:
-            tally.add(out, y, self.opts.likelihood, self.opts.ignore)
 
     def _batched_run(
         self, fn: PerSampleFunction, levels: list[Tensor]
@@ -625,7 +686,7 @@ class _FisherRun:
                         "exact GGN of dense logits: per-position blocks, by per-sample Jacobians"
                     )
                     return None
-                self._tally(out, torch.stack([targets[i] for i in idx]))
+                self.loss.add(out, torch.stack([targets[i] for i in idx]))
                 _add(totals, _selected(fn.subset, run.backward(self._root_objectives(out), lv)))
         return totals
 
@@ -680,7 +741,9 @@ class _FisherRun:
         ]
         flat = self.subset.to_flat_order(torch.cat(grouped))
         reducer.sum_([flat])
-        (count,) = reducer.sum_numbers([float(self.count)], flat)
+        count, loss, outputs = reducer.sum_numbers(
+            [float(self.count), self.loss.total, float(self.num_outputs)], flat
+        )
         if count == 0:
             raise ValueError("data yielded no samples")
         warn_fallback(self.fallbacks)
@@ -698,6 +761,8 @@ class _FisherRun:
             method,
             plan,
             tuple(self.notes),
+            loss if self.opts.loss else None,
+            int(outputs),
         )
 
     def _final_plan(self) -> dict[str, str]:

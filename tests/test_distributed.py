@@ -43,11 +43,19 @@ def make_data() -> tuple[torch.nn.Module, mj.ParamSubset, list]:
 def compute(process_group=None) -> dict[str, torch.Tensor]:
     model, subset, data = make_data()
     fisher = mj.diag_fisher(
-        model, data, params=subset, kind="exact", progress=False, process_group=process_group
+        model,
+        data,
+        params=subset,
+        kind="exact",
+        progress=False,
+        process_group=process_group,
+        return_loss=True,
     )
     emp = mj.diag_fisher(model, data, params=subset, progress=False, process_group=process_group)
     la = mj.SubnetLaplace(model, "classification", subset, prior_precision=0.7)
     la.fit(data, progress=False, process_group=process_group)
+    diag = mj.DiagLaplace(model, "classification", subset, prior_precision=0.7)
+    diag.fit(data, progress=False, process_group=process_group)
     return {
         "fisher_exact": fisher.flat,
         "fisher_empirical": emp.flat,
@@ -55,6 +63,11 @@ def compute(process_group=None) -> dict[str, torch.Tensor]:
         "ggn": la.H,
         "lml": la.log_marginal_likelihood().detach(),
         "n_data": torch.tensor(la.n_data),
+        "fisher_loss": torch.tensor(fisher.loss, dtype=DTYPE),
+        "fisher_outputs": torch.tensor(fisher.num_outputs),
+        "diag_h": diag.H,
+        "diag_lml": diag.log_marginal_likelihood().detach(),
+        "diag_n_data": torch.tensor(diag.n_data),
     }
 
 

@@ -124,6 +124,46 @@ def test_diag_fisher_matches_loop(case_id: str, likelihood: str, kind: str) -> N
     assert set(res.as_dict()) == set(subset.names)
 
 
+@pytest.mark.parametrize("method", ["auto", "vmap"])
+@pytest.mark.parametrize("kind", ["empirical", "mc", "exact"])
+@pytest.mark.parametrize("case_id, likelihood", CASES)
+def test_return_loss_is_the_nll_of_the_data(
+    case_id: str, likelihood: str, kind: str, method: str
+) -> None:
+    """``return_loss=True``: the NLL of the data's own targets at ``sigma_noise``, whichever
+    route ran (layer-wise passes, ``vmap``, per-sample Jacobians); outputs counted."""
+    model = zoo_model(case_id)
+    samples, kind_in = samples_of(case_id)
+    outs = [model(as_model_input(x, kind_in)).detach() for x in samples]
+    targets = make_targets(outs, likelihood)
+    sigma = 0.5 if likelihood == "regression" else 1.0
+    data = batches(samples, targets, kind_in, 2)
+    kw = {"likelihood": likelihood, "kind": kind, "method": method, "sigma_noise": sigma}
+    seeded = {"generator": torch.Generator().manual_seed(0)} if kind == "mc" else {}
+    res = diag_fisher(model, data, return_loss=True, progress=False, **kw, **seeded)
+    ref = sum(float(nll(o, y, likelihood, sigma)) for o, y in zip(outs, targets))
+    assert res.loss == pytest.approx(ref, rel=1e-12)
+    assert res.num_outputs == sum(o.numel() for o in outs)
+    seeded = {"generator": torch.Generator().manual_seed(0)} if kind == "mc" else {}
+    plain = diag_fisher(model, data, progress=False, **kw, **seeded)  # the same draws
+    assert plain.loss is None and plain.num_outputs == res.num_outputs
+    torch.testing.assert_close(plain.flat, res.flat, atol=0, rtol=0)
+
+
+def test_return_loss_counts_a_timed_batch_once(monkeypatch) -> None:
+    """``method="auto"`` times its routes on the first batch: the dropped runs add no loss."""
+    monkeypatch.setattr(mj.fisher, "MIN_TUNE_SAMPLES", 16)  # conftest turns timing off
+    mj.clear_plan_cache()
+    model = zoo_model("mlp_vectors")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 5, generator=g, dtype=DTYPE), torch.randint(3, (20,), generator=g)
+    data = [(x[:17], y[:17]), (x[17:], y[17:])]
+    res = diag_fisher(model, data, return_loss=True, progress=False)
+    assert any(n.startswith("tune: timed") for n in res.notes), res.notes
+    ref = torch.nn.functional.cross_entropy(model(x).detach(), y, reduction="sum")
+    assert res.loss == pytest.approx(float(ref), rel=1e-12)
+
+
 @pytest.mark.slow
 def test_mc_is_seeded_and_unbiased() -> None:
     case_id = "mlp_vectors"
@@ -171,6 +211,7 @@ def test_mean_of_squares_not_square_of_mean() -> None:
         ({"mc_samples": 0}, ValueError, "mc_samples"),
         ({"sigma_noise": -1.0}, ValueError, "sigma_noise"),
         ({"generator": 3}, TypeError, "generator"),
+        ({"return_loss": "yes"}, TypeError, "return_loss"),
     ],
 )
 def test_bad_arguments(kwargs, err, match) -> None:

@@ -1,0 +1,60 @@
+"""Laplace approximations for multiscale networks: subnetwork, diagonal and the GLM predictive.
+
+The posterior over a :class:`~multiscale_jac.subset.ParamSubset` ``theta`` (``P`` entries,
+everything else fixed at the MAP) is ``N(theta_MAP, Sigma)`` with precision
+
+    ``P_post = H / (sigma^s T) + diag(prior_precision)``
+
+where ``H = sum_i J_i^T Lambda_i J_i`` is accumulated over the data by :meth:`SubnetLaplace.fit`
+(``J_i`` ``(O_i, P)``: the per-sample Jacobian of the outputs on the subset; ``Lambda_i``: the
+Hessian of the negative log-likelihood w.r.t. the outputs at ``sigma = 1``), ``T`` the
+temperature and ``s = 2`` (``s = 4`` for the empirical Fisher of a regression, whose gradients
+carry ``1/sigma^2`` each). Conventions follow laplace-torch (Immer et al. 2021, Daxberger et al.
+2021) so the numbers agree with it where it can run:
+
+* classification: ``Lambda_i`` per output position is ``diag(p) - p p^T`` (softmax over dim 1
+  of the model output, so vector logits ``(C,)`` and dense logits ``(C, *spatial)`` per sample);
+  positions whose label is ``ignore_index`` contribute nothing; ``sigma_noise`` must be 1.
+* regression: ``Lambda_i = I``; the loss is ``0.5 sum (f - y)^2``.
+* ``log_marginal_likelihood = -loss / (sigma^2 T) - c - 0.5 (log det P_post - log det P_0 +
+  (theta - mu_0)^T P_0 (theta - mu_0))`` with ``c = n_out log(sigma sqrt(2 pi))`` for regression
+  (``n_out``: output entries seen by :meth:`~SubnetLaplace.fit`), 0 for classification.
+
+Only a chunk of Jacobian rows is ever held (``memory_budget``): never ``N x O x P`` and never
+the model's full Jacobian. Padded positions of ragged multi-level batches do not exist in the
+per-sample outputs (every sample runs unpadded through the engine), so they contribute nothing.
+
+:class:`DiagLaplace` keeps only the diagonal of ``H`` (``(P,)``, from
+:func:`~multiscale_jac.diag_fisher`'s closed forms), so it scales to every weight of a network.
+:func:`Laplace` is laplace-torch's front door: ``subset_of_weights`` and ``hessian_structure``
+choose the class, and both classes answer laplace-torch's calls (``la(x)``,
+``predictive_samples``, ``optimize_prior_precision(method=...)``).
+
+The parts, one module each (private; the names above are the public ones):
+
+* ``_base``: the state and checks both classes share (options, the prior's forms);
+* ``_curvature``: the curvature over the data: streaming Jacobian rows in shape buckets under
+  the memory budget, the GGN / empirical Fisher of a subset (rows, or a whole sample's
+  curvature from one forward pass by its reverse or column route), the diagonal from
+  :func:`~multiscale_jac.diag_fisher`;
+* ``_posterior``: the posterior's forms (full, diagonal; a :class:`PosteriorForm` each):
+  precision, log-determinant, whitening, sampling, kept bytes;
+* ``_marglik``: the log marginal likelihood and prior tuning (marglik, grid search);
+* ``_predictive``: :class:`GLMPredictive`, the link approximations, predictive samples;
+* ``_subnet``, ``_diag``: :class:`SubnetLaplace` and :class:`DiagLaplace`, composed of those;
+* ``_frontdoor``: laplace-torch's ``Laplace()`` and its option translation.
+"""
+
+from __future__ import annotations
+
+from ._diag import DiagLaplace
+from ._frontdoor import Laplace
+from ._predictive import GLMPredictive
+from ._subnet import SubnetLaplace
+
+__all__ = [
+    "DiagLaplace",
+    "GLMPredictive",
+    "Laplace",
+    "SubnetLaplace",
+]

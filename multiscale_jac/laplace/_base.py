@@ -1,0 +1,193 @@
+"""What both Laplace classes share: the checked options, the state of a fit and the prior.
+
+:class:`LaplaceBase` holds them; the parts (:mod:`._curvature`, :mod:`._posterior`,
+:mod:`._marglik`, :mod:`._predictive`) are mixins on it that read this state, and a Laplace class
+is a base plus one curvature route and one posterior form (:class:`SubnetLaplace`: the subset
+GGN and the full form; :class:`DiagLaplace`: the diagonal from ``diag_fisher`` and the diagonal
+form).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import (
+    check_bool,
+    check_chunk_size,
+    check_int,
+    check_memory_budget,
+    check_positive_number,
+    prepare,
+)
+from ..enums import (
+    BatchNormPolicy,
+    Entries,
+    HessianKind,
+    InputKind,
+    Likelihood,
+    Randomness,
+    parse_enum,
+)
+from ..subset import ParamSubset
+
+if TYPE_CHECKING:
+    from .._checks import Prepared
+
+__all__ = ["LaplaceBase"]
+
+
+class LaplaceBase:
+    """The state every Laplace class keeps, checked on construction (the arguments are
+    :class:`~multiscale_jac.SubnetLaplace`'s), and the prior precision's forms.
+
+    State of a fit: ``H`` (the curvature in the class's layout: ``(P, P)``, ``(P,)``; ``None``
+    before :meth:`fit`), ``loss`` (the negative log-likelihood at the MAP, at ``sigma = 1``),
+    ``n_data`` and ``n_outputs`` (regression output entries); ``_scale`` caches the posterior
+    form's scale until the curvature or the prior change.
+    """
+
+    _prep: Prepared
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood,
+        subset: ParamSubset | str | Sequence[str],
+        *,
+        prior_precision: Any = 1.0,
+        sigma_noise: float = 1.0,
+        temperature: float = 1.0,
+        prior_mean: Any = 0.0,
+        hessian: str | HessianKind = "ggn",
+        output_fn: Callable[[Any], Any] | None = None,
+        ignore_index: int = -100,
+        input_kind: str | InputKind | None = None,
+        chunk_size: int | None = None,
+        memory_budget: int | None = None,
+        randomness: str | Randomness = "error",
+        batch_norm: str | BatchNormPolicy = "error",
+        strict: bool = False,
+        entries: str | Entries = "auto",
+    ) -> None:
+        self._prep = prepare(
+            model,
+            params=subset,
+            params_name="subset",
+            output_fn=output_fn,
+            batch_norm=batch_norm,
+            randomness=randomness,
+            input_kind=input_kind,
+        )
+        self.model, self.subset, self.output_fn = model, self._prep.subset, output_fn
+        self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+        self.hessian = parse_enum(HessianKind, hessian, "hessian")
+        self.ignore_index = check_int(ignore_index, "ignore_index")
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.memory_budget = check_memory_budget(memory_budget)
+        self.strict = check_bool(strict, "strict")
+        self.entries = parse_enum(Entries, entries, "entries")
+        self.mean = self.subset.flatten(self.subset.check_model(model)).detach().clone()
+        self.temperature = check_positive_number(temperature, "temperature")
+        self.sigma_noise = check_positive_number(sigma_noise, "sigma_noise")
+        if self.likelihood is Likelihood.CLASSIFICATION and self.sigma_noise != 1.0:
+            raise ValueError(f"sigma_noise must be 1 for classification; got {sigma_noise!r}")
+        self.prior_mean = self._vector(prior_mean, "prior_mean", positive=False)
+        self._prior_precision = self._prior_form(prior_precision, "prior_precision", positive=True)
+        self.H: Any = None  # the curvature, in the class's layout
+        self.loss = 0.0
+        self.n_data = 0
+        self.n_outputs = 0
+        self._scale: Tensor | None = None
+        self._fallbacks: list[str] = []
+        self._memo = None
+
+    @property
+    def n_params(self) -> int:
+        """``P``, the number of entries the posterior is over."""
+        return self.subset.numel
+
+    # ------------------------------------------------------------------ prior
+    @property
+    def prior_precision(self) -> Tensor:
+        """The prior precision as given: ``(1,)`` (one value, as laplace-torch stores a scalar),
+        ``(K,)`` (one per selected tensor) or ``(P,)``. Assign a number, a tensor, a sequence
+        or ``{name: value}``; the cached posterior factor is then recomputed."""
+        return self._prior_precision
+
+    @prior_precision.setter
+    def prior_precision(self, value: Any) -> None:
+        self._prior_precision = self._prior_form(value, "prior_precision", positive=True)
+        self._scale = None
+
+    @property
+    def prior_precision_diag(self) -> Tensor:
+        """The prior precision expanded to the ``(P,)`` diagonal ``p_0``."""
+        return self._expand(self._prior_precision)
+
+    def _prior(self, prior_precision: Any) -> Tensor:
+        if prior_precision is None:
+            return self.prior_precision_diag
+        return self._vector(prior_precision, "prior_precision", positive=True)
+
+    def _vector(self, value: Any, what: str, positive: bool) -> Tensor:
+        """A number, ``(P,)``, one value per selected tensor (sequence or dict) -> ``(P,)``."""
+        return self._expand(self._prior_form(value, what, positive))
+
+    def _prior_form(self, value: Any, what: str, positive: bool) -> Tensor:
+        """A number, ``(P,)``, one value per selected tensor (sequence or dict), checked, as a
+        1-d tensor of 1, ``K`` (selected tensors) or ``P`` values (differentiable)."""
+        p, names = self.subset.numel, self.subset.names
+        dtype, device = self.mean.dtype, self.mean.device
+        if isinstance(value, Mapping):
+            unknown = [k for k in value if k not in names]
+            missing = [k for k in names if k not in value]
+            if unknown or missing:
+                raise ValueError(
+                    f"{what}: keys must be the selected tensors {list(names)}; unknown "
+                    f"{unknown}, missing {missing}"
+                )
+            value = [value[k] for k in names]
+        if isinstance(value, bool) or not isinstance(value, (int, float, Tensor, list, tuple)):
+            raise TypeError(f"{what} must be a number, a tensor or a sequence; got {value!r}")
+        t = (
+            torch.as_tensor(value, dtype=dtype, device=device)
+            if not isinstance(value, Tensor)
+            else value.to(dtype=dtype, device=device)
+        )
+        if t.dim() > 1 or t.numel() not in (1, p, len(names)):
+            raise ValueError(
+                f"{what} must be a number, P={p} values or one per selected tensor "
+                f"({len(names)}); got shape {tuple(t.shape)}"
+            )
+        if positive and not bool((t.detach() > 0).all()):
+            raise ValueError(f"{what} must be positive; got {value!r}")
+        return t.reshape(-1)
+
+    def _expand(self, t: Tensor) -> Tensor:
+        """A checked 1-d form (:meth:`_prior_form`) -> the ``(P,)`` diagonal in flat order."""
+        p = self.subset.numel
+        if t.numel() == p:
+            return t
+        if t.numel() == 1:
+            return t.reshape(()).expand(p)
+        sizes = [b - a for a, b in self.subset.offsets.values()]
+        return self.subset.to_flat_order(
+            torch.repeat_interleave(t, torch.tensor(sizes, device=t.device))
+        )
+
+    # ------------------------------------------------------------------ state
+    def _fitted(self) -> Tensor:
+        if self.H is None:
+            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(data) first")
+        return self.H
+
+    def __repr__(self) -> str:
+        fitted = f"fitted on {self.n_data} samples" if self.H is not None else "not fitted"
+        return (
+            f"{type(self).__name__}(likelihood={self.likelihood.value!r}, P={self.subset.numel}, "
+            f"hessian={self.hessian.value!r}, {fitted})"
+        )

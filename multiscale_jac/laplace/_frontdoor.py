@@ -1,0 +1,161 @@
+"""laplace-torch's front door: ``Laplace(model, likelihood, subset_of_weights,
+hessian_structure, ...)`` picks the class and the subset, and names the laplace-torch options
+that have no counterpart here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..enums import HessianStructure, Likelihood, SubsetOfWeights, parse_enum
+from ..subset import ParamSubset
+from ._diag import DiagLaplace
+from ._subnet import SubnetLaplace
+
+__all__ = ["Laplace"]
+
+#: laplace-torch options with no counterpart here, and what to do instead
+_FOREIGN_OPTIONS = {
+    "backend": "the curvature is computed exactly by this library; remove it",
+    "backend_kwargs": "the curvature is computed exactly by this library; remove it",
+    "asdl_fisher_kwargs": "the curvature is computed exactly by this library; remove it",
+    "enable_backprop": "the predictive is not differentiable w.r.t. the inputs here",
+    "dict_key_x": "pass the inputs in any form multiscale_jac.pack accepts",
+    "dict_key_y": "pass (inputs, targets) pairs",
+}
+
+
+def Laplace(  # laplace-torch's name
+    model: nn.Module,
+    likelihood: str | Likelihood,
+    subset_of_weights: str | SubsetOfWeights = "last_layer",
+    hessian_structure: str | HessianStructure = "full",
+    *,
+    subnetwork_indices: Tensor | ParamSubset | None = None,
+    sigma_noise: float = 1.0,
+    prior_precision: Any = 1.0,
+    prior_mean: Any = 0.0,
+    temperature: float = 1.0,
+    **library_options: Any,
+) -> SubnetLaplace | DiagLaplace:
+    """laplace-torch's ``Laplace``: the approximation chosen by two strings.
+
+    - ``subset_of_weights="subnetwork"``: :class:`SubnetLaplace` over ``subnetwork_indices``
+      (``hessian_structure="full"``), :class:`DiagLaplace` over them (``"diag"``);
+    - ``"last_layer"``: :class:`SubnetLaplace` over the last layer, :class:`DiagLaplace` over it;
+    - ``"all"``: :class:`SubnetLaplace` over every weight (``P x P``: small models only),
+      :class:`DiagLaplace` over every weight.
+
+    Args:
+        model: Any ``nn.Module`` at its MAP; never changed.
+        likelihood: ``classification`` or ``regression``.
+        subset_of_weights: ``subnetwork``, ``last_layer`` (default, as laplace-torch: the weight
+            and bias of the last ``nn.Linear`` in registration order, or of the last module
+            that owns parameters when there is none, e.g. a 1x1 convolution head) or ``all``
+            (every parameter that requires grad).
+        hessian_structure: ``full`` (default here; laplace-torch defaults to ``kron``, which
+            has no counterpart) or ``diag``.
+        subnetwork_indices: For ``subnetwork``: a 1-d LongTensor of indices into
+            ``parameters_to_vector(model.parameters())`` (the posterior's order), or a
+            :class:`ParamSubset`.
+        sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
+        prior_precision: A number, one value per selected tensor, or a ``(P,)`` diagonal.
+        prior_mean: A number or a ``(P,)`` vector.
+        temperature: ``T``; the curvature is divided by it.
+        **library_options: The classes' other keyword arguments (``hessian``, ``output_fn``,
+            ``memory_budget``, ``chunk_size``, ...; see :class:`SubnetLaplace` and
+            :class:`DiagLaplace`).
+
+    Returns:
+        A :class:`SubnetLaplace` (``full``) or :class:`DiagLaplace` (``diag``), not fitted.
+
+    Raises:
+        ValueError: an unknown string (named with the choices), ``subnetwork`` without
+            ``subnetwork_indices`` or ``subnetwork_indices`` with another subset, bad indices.
+        TypeError: a model that is not an ``nn.Module``, a laplace-torch option that has no
+            counterpart here (the message says what to do).
+    """
+    for name, why in _FOREIGN_OPTIONS.items():
+        if name in library_options:
+            raise TypeError(
+                f"Laplace() got laplace-torch's {name}=, which has no counterpart: {why}"
+            )
+    if "subset" in library_options:
+        raise TypeError(
+            "Laplace() takes the subset as subset_of_weights='subnetwork' with "
+            "subnetwork_indices=...; SubnetLaplace(model, likelihood, subset) takes it directly"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    which = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
+    structure = _hessian_structure(hessian_structure)
+    subset = _subset_of_weights(model, which, subnetwork_indices)
+    cls = DiagLaplace if structure is HessianStructure.DIAG else SubnetLaplace
+    return cls(
+        model,
+        likelihood,
+        subset,
+        sigma_noise=sigma_noise,
+        prior_precision=prior_precision,
+        prior_mean=prior_mean,
+        temperature=temperature,
+        **library_options,
+    )
+
+
+def _hessian_structure(value: Any) -> HessianStructure:
+    try:
+        return parse_enum(HessianStructure, value, "hessian_structure")
+    except ValueError as err:
+        if value in ("kron", "lowrank", "gp"):
+            raise ValueError(
+                f"{err} (laplace-torch's {value!r} has no counterpart here: 'full' is exact on "
+                "a subnetwork or the last layer, 'diag' covers every weight)"
+            ) from None
+        raise
+
+
+def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -> ParamSubset:
+    """The entries ``subset_of_weights`` names (laplace-torch's conventions)."""
+    if which is not SubsetOfWeights.SUBNETWORK:
+        if indices is not None:
+            raise ValueError(
+                "subnetwork_indices is used only with subset_of_weights='subnetwork'; got "
+                f"subset_of_weights={which.value!r}"
+            )
+        if which is SubsetOfWeights.ALL:
+            return ParamSubset.all(model, trainable_only=True)
+        return _last_layer(model)
+    if indices is None:
+        raise ValueError(
+            "subset_of_weights='subnetwork' needs subnetwork_indices: a 1-d LongTensor of "
+            "indices into parameters_to_vector(model.parameters()), or a ParamSubset"
+        )
+    if isinstance(indices, ParamSubset):
+        indices.check_model(model)
+        return indices
+    if not isinstance(indices, Tensor) or indices.dim() != 1:
+        what = (
+            f"shape {tuple(indices.shape)}"
+            if isinstance(indices, Tensor)
+            else type(indices).__name__
+        )
+        raise TypeError(f"subnetwork_indices must be a 1-d LongTensor; got {what}")
+    try:
+        return ParamSubset.from_flat_indices(model, indices)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"subnetwork_indices: {err}") from None
+
+
+def _last_layer(model: nn.Module) -> ParamSubset:
+    """The weight and bias of the last ``nn.Linear`` (registration order); without one, every
+    parameter of the last module that owns parameters."""
+    last = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            last = name
+    if last is None:
+        return ParamSubset.last_layer(model)
+    owned = [n for n, _ in model.get_submodule(last).named_parameters(recurse=False)]
+    return ParamSubset.from_names(model, [f"{last}.{n}" if last else n for n in owned])

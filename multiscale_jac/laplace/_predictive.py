@@ -1,0 +1,359 @@
+"""The linearised (GLM) predictive, its link approximations and predictive samples.
+
+:class:`Predictive` is the mixin: ``predictive`` (``f(x)`` and ``J Sigma J^T`` from whitened
+Jacobian rows, a chunk at a time; dense outputs never form ``O x O``), laplace-torch's
+``la(x, ...)`` and ``predictive_samples``, posterior ``sample`` and ``functional_samples``
+(linearised, or the model run with sampled entries). The link approximations of a
+classification: ``probit``, the Laplace bridge and Monte Carlo.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._checks import check_bool, check_generator, check_positive_int
+from .._stream import raw_output
+from ..enums import Likelihood, LinkApprox, PredType, parse_enum
+from ._curvature import JacobianStream
+from ._posterior import Posterior
+
+__all__ = ["GLMPredictive", "Predictive"]
+
+
+@dataclass(frozen=True)
+class GLMPredictive:
+    """The linearised predictive ``f(x) + J (theta - theta_MAP)`` at a batch of inputs.
+
+    Per-sample tensors are stacked to ``(N, *out)`` when every sample's output has one shape,
+    and given as lists of ``(*out)`` tensors otherwise (ragged dense outputs). ``*out`` is the
+    per-sample output shape after ``output_fn`` without the batch dim of one.
+
+    Attributes:
+        mean: ``f(x)``, the output at the MAP.
+        variance: Marginal variances of ``f`` (``diag(J Sigma J^T)``), shaped like ``mean``;
+            epistemic only (add ``sigma_noise**2`` for a regression's predictive of ``y``).
+        covariance: ``J Sigma J^T`` ``(N, O, O)`` when every output is a vector (a list of
+            ``(O_i, O_i)`` when their sizes differ); ``None`` for dense outputs, whose
+            covariance is never formed.
+        probs: Classification: class probabilities shaped like ``mean`` (``link_approx``).
+        link_approx: The link approximation used, ``None`` for regression.
+    """
+
+    mean: Tensor | list[Tensor]
+    variance: Tensor | list[Tensor]
+    covariance: Tensor | list[Tensor] | None = None
+    probs: Tensor | list[Tensor] | None = None
+    link_approx: LinkApprox | None = None
+
+
+class Predictive(Posterior, JacobianStream):
+    """The GLM predictive at new inputs, from the stream's Jacobian rows whitened by the
+    posterior's form, and samples of the posterior and of the predictive."""
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """``n_samples`` draws ``(n_samples, P)`` from the posterior over the selected entries
+        (laplace-torch's subnetwork Laplace returns every parameter, the rest at the MAP)."""
+        n = check_positive_int(n_samples, "n_samples")
+        generator = check_generator(generator)
+        z = torch.randn(n, self.subset.numel, generator=generator, dtype=self.mean.dtype)
+        return self.mean + self._draw(z.to(self.mean.device).T).T
+
+    def __call__(
+        self,
+        x: Any,
+        pred_type: str | PredType = "glm",
+        joint: bool = False,
+        link_approx: str | LinkApprox = "probit",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | list[Tensor] | tuple[Any, Any]:
+        """laplace-torch's predictive at ``x`` (any form :func:`~multiscale_jac.pack` accepts).
+
+        Args:
+            x: The inputs.
+            pred_type: ``glm`` (linearised) or ``nn`` (the model run with posterior samples;
+                classification then needs ``link_approx="mc"``).
+            joint: Must be ``False`` (a covariance across samples is not formed).
+            link_approx: ``probit``, ``mc`` or ``bridge`` (classification).
+            n_samples: Samples for ``mc`` and ``nn``.
+            diagonal_output: Regression ``glm``: the marginal variances ``(N, O)`` instead of
+                the covariance.
+            generator: Seeds the sampling.
+
+        Returns:
+            Classification: probabilities ``(N, C)`` (dense logits: ``(N, C, *spatial)``, a
+            softmax per position; ragged outputs: a list of ``(C, *spatial_i)``). Regression:
+            ``(f_mu, f_var)`` with ``f_mu`` ``(N, O)`` and ``f_var`` ``(N, O, O)`` for vector
+            outputs; for dense outputs (or ``diagonal_output``, or a sample sliced under
+            ``memory_budget``) ``f_var`` holds the marginal variances shaped like ``f_mu``
+            (lists for ragged outputs). ``pred_type="nn"``: the sample mean and the (unbiased)
+            sample variance.
+        """
+        pred = parse_enum(PredType, pred_type, "pred_type")
+        link = parse_enum(LinkApprox, link_approx, "link_approx")
+        n_samples = check_positive_int(n_samples, "n_samples")
+        diagonal_output = check_bool(diagonal_output, "diagonal_output")
+        if check_bool(joint, "joint"):
+            raise ValueError(
+                "joint=True (one covariance across the samples of the batch) is not supported; "
+                "use functional_samples for joint draws"
+            )
+        cls = self.likelihood is Likelihood.CLASSIFICATION
+        if pred is PredType.NN:
+            if cls and link is not LinkApprox.MC:
+                raise ValueError(
+                    f"pred_type='nn' supports only link_approx='mc'; got {link.value!r}"
+                )
+            samples = self.functional_samples(x, n_samples, linearized=False, generator=generator)
+            if cls:
+                return _per_sample(samples, lambda s: _softmax(s).mean(0))
+            return _per_sample(samples, lambda s: s.mean(0)), _per_sample(
+                samples, lambda s: s.var(0)
+            )
+        generator = check_generator(generator)
+        covariance = not cls and not diagonal_output
+        out = self._predictive(x, link, n_samples, generator, covariance=covariance)
+        if cls:
+            return out.probs  # type: ignore[return-value]
+        if diagonal_output or out.covariance is None:
+            return out.mean, out.variance
+        return out.mean, out.covariance
+
+    def predictive_samples(
+        self,
+        x: Any,
+        pred_type: str | PredType = "glm",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | list[Tensor]:
+        """Samples of the predictive at ``x``: ``(n_samples, N, *out)`` (a list of
+        ``(n_samples, *out_i)`` for ragged outputs); class probabilities (a softmax over the
+        class dim) for classification, outputs for regression.
+
+        Args:
+            x: The inputs.
+            pred_type: ``glm`` (linearised, exact joint draws over each sample's outputs) or
+                ``nn`` (the model run with posterior samples).
+            n_samples: Number of samples.
+            diagonal_output: ``glm``: independent draws per output from the marginal variances.
+            generator: Seeds the draws.
+        """
+        pred = parse_enum(PredType, pred_type, "pred_type")
+        n_samples = check_positive_int(n_samples, "n_samples")
+        generator = check_generator(generator)
+        if pred is PredType.GLM and check_bool(diagonal_output, "diagonal_output"):
+            p = self.predictive(x, link_approx="probit")
+
+            def draw(m: Tensor, v: Tensor) -> Tensor:
+                z = torch.randn((n_samples, *m.shape), generator=generator, dtype=m.dtype)
+                return m + v.sqrt() * z.to(m.device)
+
+            if isinstance(p.mean, list):
+                samples: Tensor | list[Tensor] = [draw(m, v) for m, v in zip(p.mean, p.variance)]
+            else:
+                samples = draw(p.mean, p.variance)  # type: ignore[arg-type]
+        else:
+            samples = self.functional_samples(
+                x, n_samples, linearized=pred is PredType.GLM, generator=generator
+            )
+        if self.likelihood is Likelihood.CLASSIFICATION:
+            return _per_sample(samples, _softmax, batched=False)
+        return samples
+
+    def predictive(
+        self,
+        inputs: Any,
+        *,
+        link_approx: str | LinkApprox = "probit",
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+    ) -> GLMPredictive:
+        """The GLM predictive at ``inputs`` (any form :func:`~multiscale_jac.pack` accepts).
+
+        Marginal variances are ``||V_o||^2`` per output row (``V = L^{-1} J^T``), computed in
+        chunks of rows; dense outputs never form an ``O x O`` matrix.
+
+        Args:
+            inputs: The batch.
+            link_approx: ``probit``, ``mc`` or ``bridge`` (classification).
+            n_samples: Joint samples for ``mc``.
+            generator: Seeds ``mc``.
+        """
+        link = parse_enum(LinkApprox, link_approx, "link_approx")
+        n_samples = check_positive_int(n_samples, "n_samples")
+        generator = check_generator(generator)
+        return self._predictive(inputs, link, n_samples, generator, covariance=True)
+
+    def _predictive(
+        self,
+        inputs: Any,
+        link: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
+        covariance: bool,
+    ) -> GLMPredictive:
+        """:meth:`predictive` on checked arguments; ``covariance=False`` skips the ``O x O``
+        covariances of vector outputs."""
+        self._fitted()
+        packed = self._prep.pack(inputs)
+        n = packed.num_samples
+        means: list[list[Tensor]] = [[] for _ in range(n)]
+        variances: list[list[Tensor]] = [[] for _ in range(n)]
+        covs: list[list[Tensor]] = [[] for _ in range(n)]
+        probs: list[list[Tensor]] = [[] for _ in range(n)]
+        shapes: list[torch.Size] = [torch.Size()] * n
+        vector = True
+        cls = self.likelihood is Likelihood.CLASSIFICATION
+        for block in self._blocks(inputs, packed):
+            i, out, jac, shape = block.i, block.out, block.jac, block.shape
+            if jac is None:  # pragma: no cover - predictive blocks always carry rows
+                raise RuntimeError("internal error: a predictive block without Jacobian rows")
+            shapes[i] = shape
+            v = self._whiten(jac)  # (P, rows)
+            var = (v * v).sum(0)
+            f = out.reshape(-1)
+            means[i].append(f)
+            variances[i].append(var)
+            vector = vector and len(shape) <= 1 and covariance
+            if vector:
+                covs[i].append(v.T @ v)
+            if cls:
+                pr = self._probs(link, f.view(out.shape[0], -1), var, v, jac, n_samples, generator)
+                probs[i].append(pr.reshape(-1))
+        mean = _stack_or_list([_join(b, s, cls) for b, s in zip(means, shapes)])
+        variance = _stack_or_list([_join(b, s, cls) for b, s in zip(variances, shapes)])
+        cov_out = None
+        if vector and all(len(c) == 1 for c in covs):
+            cov_out = _stack_or_list([c[0] for c in covs])
+        prob_out = (
+            _stack_or_list([_join(b, s, cls) for b, s in zip(probs, shapes)]) if cls else None
+        )
+        self._warn_fallbacks()
+        return GLMPredictive(mean, variance, cov_out, prob_out, link if cls else None)
+
+    def _probs(
+        self,
+        link: LinkApprox,
+        logits: Tensor,
+        var: Tensor,
+        v: Tensor,
+        jac: Tensor,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> Tensor:
+        """Class probabilities ``(C, m)`` of one block: ``logits`` ``(C, m)``, the marginal
+        variances ``var`` and the whitened rows ``v`` ``(P, C m)`` of the Jacobian rows
+        ``jac``."""
+        c = logits.shape[0]
+        if link is LinkApprox.PROBIT:
+            kappa = torch.rsqrt(1 + math.pi / 8 * var.view(c, -1))
+            return torch.softmax(kappa * logits, dim=0)
+        if link is LinkApprox.BRIDGE:
+            vc = v.view(-1, c, logits.shape[1])  # (P, C, m)
+            cov = torch.einsum("pcm,pdm->mcd", vc, vc)
+            return _bridge(logits.T, cov).T
+        z = torch.randn(n_samples, v.shape[0], generator=generator, dtype=v.dtype).to(v.device)
+        eps = self._draw(z.T)  # (P, S)
+        fs = logits.reshape(1, -1) + (jac @ eps).T  # (S, rows)
+        return torch.softmax(fs.view(n_samples, c, -1), dim=1).mean(0)
+
+    def functional_samples(
+        self,
+        inputs: Any,
+        n_samples: int,
+        *,
+        linearized: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | list[Tensor]:
+        """``n_samples`` output samples per input: ``(n_samples, N, *out)`` (a list of
+        ``(n_samples, *out)`` for ragged outputs).
+
+        Args:
+            linearized: ``f + J (theta_s - theta_MAP)`` (the GLM predictive); ``False`` runs the
+                model with the sampled entries in place (a functional call; the model itself is
+                not changed).
+        """
+        n_samples = check_positive_int(n_samples, "n_samples")
+        linearized = check_bool(linearized, "linearized")
+        thetas = self.sample(n_samples, generator=generator)  # (S, P)
+        packed = self._prep.pack(inputs)
+        n = packed.num_samples
+        cls = self.likelihood is Likelihood.CLASSIFICATION
+        out: list[Tensor] = []
+        if linearized:
+            delta = (thetas - self.mean).T  # (P, S)
+            parts: list[list[Tensor]] = [[] for _ in range(n)]
+            shapes: list[torch.Size] = [torch.Size()] * n
+            for block in self._jacobians(packed):
+                shapes[block.i] = block.shape
+                f = block.out.reshape(-1).unsqueeze(-1)
+                parts[block.i].append((f + block.jac @ delta).T)  # (S, rows)
+            out = [_join(p, s, cls, lead=n_samples) for p, s in zip(parts, shapes)]
+        else:
+            fn = self._function(packed)
+            with torch.no_grad():
+                for i in range(n):
+                    levels = tuple(packed.sample(i))
+                    rows = [
+                        raw_output(fn, tuple(self.subset.split(theta).values()), levels)[0]
+                        for theta in thetas
+                    ]
+                    out.append(torch.stack(rows))
+        self._warn_fallbacks()
+        return _stack_or_list(out, dim=1)
+
+
+def _join(
+    blocks: list[Tensor], shape: torch.Size, classes: bool, lead: int | None = None
+) -> Tensor:
+    """A sample's blocks ``(*lead, rows_k)`` (classification rows: ``C x m_k`` class-major)
+    joined along positions and shaped ``(*lead, *shape)``."""
+    pre = () if lead is None else (lead,)
+    c = (shape[0] if len(shape) else 1) if classes else 1
+    if len(blocks) == 1:
+        return blocks[0].reshape(*pre, *shape)
+    joined = torch.cat([b.reshape(*pre, c, -1) for b in blocks], dim=-1)
+    return joined.reshape(*pre, *shape)
+
+
+def _stack_or_list(parts: list[Tensor], dim: int = 0) -> Tensor | list[Tensor]:
+    """Stacked along ``dim`` when all parts share one shape, else the list."""
+    if len({p.shape for p in parts}) == 1:
+        return torch.stack(parts, dim=dim)
+    return parts
+
+
+def _bridge(mean: Tensor, cov: Tensor) -> Tensor:
+    """Laplace bridge: ``mean`` ``(m, C)``, ``cov`` ``(m, C, C)`` -> probabilities ``(m, C)``."""
+    k = mean.shape[-1]
+    total = cov.sum(dim=(1, 2)).unsqueeze(-1)
+    mean = mean - cov.sum(-1) * mean.sum(-1, keepdim=True) / total
+    cov = cov - torch.einsum("bi,bj->bij", cov.sum(-1), cov.sum(-2)) / total.unsqueeze(-1)
+    var = torch.diagonal(cov, dim1=1, dim2=2)
+    sum_exp = torch.exp(-mean).sum(dim=1, keepdim=True)
+    alpha = (1 - 2 / k + mean.exp() / k**2 * sum_exp) / var
+    return torch.nan_to_num(alpha / alpha.sum(dim=1, keepdim=True), nan=1.0)
+
+
+def _softmax(samples: Tensor) -> Tensor:
+    """Softmax over the class dim of one sample's draws ``(S, C, *spatial)``."""
+    return torch.softmax(samples, dim=1)
+
+
+def _per_sample(
+    samples: Tensor | list[Tensor], fn: Callable[[Tensor], Tensor], batched: bool = True
+) -> Tensor | list[Tensor]:
+    """``fn`` on each sample's draws ``(S, *out)``; a stacked ``(S, N, *out)`` gives the results
+    stacked along dim 0 (``batched``: ``fn`` reduces the draws) or dim 1 (it keeps them)."""
+    if isinstance(samples, list):
+        return [fn(s) for s in samples]
+    parts = [fn(samples[:, i]) for i in range(samples.shape[1])]
+    return torch.stack(parts, dim=0 if batched else 1)
