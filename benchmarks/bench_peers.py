@@ -346,8 +346,9 @@ def _levels(
 _RAGGED4 = ((12, 12), (12, 16), (16, 12), (8, 16))
 #: the BiFPN's pyramids: 8/12/16 channels at strides 1, 2, 4 (sizes divisible by 4)
 BIFPN_CHANNELS = (8, 12, 16)
-#: 16 shapes: a ragged batch of 16 where every sample has a shape of its own
-_BIFPN_HW = tuple((h, w) for h in (4, 8, 12, 16) for w in (4, 8, 12, 16))
+#: 16 shapes: a ragged batch of 16 where every sample has a shape of its own (the coarsest
+#: level at least 2x2: the training step's BatchNorm needs more than one value a channel)
+_BIFPN_HW = tuple((h, w) for h in (8, 12, 16, 20) for w in (8, 12, 16, 20))
 
 
 def _bifpn() -> nn.Module:
