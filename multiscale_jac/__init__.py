@@ -48,7 +48,7 @@ from .enums import (
 )
 from .fisher import DiagFisherResult, diag_fisher
 from .jacnorm import jacobian_sq_norm, jacobian_sq_norm_backward
-from .laplace import DiagLaplace, GLMPredictive, Laplace, SubnetLaplace
+from .laplace import DiagLaplace, GLMPredictive, KronLaplace, Laplace, SubnetLaplace
 from .levels import LevelOutputs, map_levels
 from .packing import Bucket, PackedBatch, Signature, pack
 from .result import JacobianResult
@@ -92,6 +92,7 @@ __all__ = [
     "GLMPredictive",
     "HessianKind",
     "HessianStructure",
+    "KronLaplace",
     "Laplace",
     "LinkApprox",
     "PredType",

@@ -257,6 +257,28 @@ def check_memory_budget(budget: Any) -> int | None:
     return int(budget)
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """A value of the wrong type where laplace-torch's calls raise ``ValueError``: a
+    ``TypeError`` as everywhere in this library, and a ``ValueError`` for code written against
+    laplace-torch."""
+
+
+def check_noise(value: Any, name: str = "sigma_noise") -> float | Tensor:
+    """A positive noise scale: a number (-> float) or a tensor of one value (-> 0-d tensor,
+    kept: a tuned noise may require grad)."""
+    if isinstance(value, Tensor):
+        if value.dim() > 1 or value.numel() != 1 or value.is_complex():
+            raise ValueError(
+                f"{name} must be a number or a tensor of one value; got shape {tuple(value.shape)}"
+            )
+        if not bool(value.detach() > 0) or not bool(torch.isfinite(value.detach())):
+            raise ValueError(f"{name} must be positive; got {float(value)!r}")
+        return value.reshape(())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{name} must be a positive number; got {value!r}")
+    return check_positive_number(value, name)
+
+
 def check_positive_number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a positive number; got {value!r}")

@@ -193,6 +193,7 @@ class KronResult:
         kind: ``ggn``, ``mc`` or ``empirical``.
         likelihood: ``classification`` or ``regression``.
         sigma_noise: The regression noise scale the factors and loss were computed at.
+        num_outputs: The output entries seen (every sample's, summed).
     """
 
     layers: tuple[KronFactors, ...]
@@ -201,6 +202,7 @@ class KronResult:
     kind: str
     likelihood: Likelihood
     sigma_noise: float = 1.0
+    num_outputs: int = 0
 
     def __getitem__(self, name: str) -> KronFactors:
         """The layer holding parameter ``name``, or the layer of module ``name``."""
@@ -622,6 +624,7 @@ class _KronRun:
     def __init__(self, prep: Prepared, opts: _Options, layers: list[_Layer]) -> None:
         self.prep, self.opts, self.layers = prep, opts, layers
         self.count = 0
+        self.outputs = 0
         self.loss = layers[0].a.new_zeros(())
         self.separable_checked = False
 
@@ -686,6 +689,7 @@ class _KronRun:
             check_targets(targets, out.shape[1:], opts.likelihood, opts.ignore, numbers)
         )
         self.loss += nll_sum(out.detach(), y, opts.likelihood, opts.sigma, opts.ignore)
+        self.outputs += out[0].numel() * out.shape[0]
         rec.backward(self._objectives(out, y))
 
     def _check_run(
@@ -762,8 +766,9 @@ class _KronRun:
             )
             for la in self.layers
         )
+        opts = self.opts
         return KronResult(
-            layers, self.count, self.loss, self.opts.kind, self.opts.likelihood, self.opts.sigma
+            layers, self.count, self.loss, opts.kind, opts.likelihood, opts.sigma, self.outputs
         )
 
 

@@ -261,80 +261,16 @@ DEEP_SHORTLIST = 32.0
 WARM_CUTOFF = 4.0
 
 
-class _EngineRun:
-    """One call: the strategy that runs, its plan, fallbacks and notes."""
+class _RouteTiming:
+    """``auto``'s measuring of one call (the half of :class:`_EngineRun` that times routes and
+    samples per call on the run's own samples): the shortlist, the routes' timing, the samples
+    per vectorised call and the note where the timing contradicts the estimate."""
 
-    def __init__(self, fn: PerSampleFunction, packed: PackedBatch, options: EngineOptions) -> None:
-        self.fn, self.packed, self.options = fn, packed, options
-        self.requested = options  # ``options`` changes when mode 'fwd' turns out impossible
-        self.fallbacks: list[str] = []
-        self.notes: list[str] = []
-        self.key = plan_key(fn, packed, options)
-        self.cached = PLAN_CACHE.get(fn.model, self.key)
-        #: the shortlisted routes, timed on the first samples of the run (:meth:`try_routes`)
-        self.trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None = None
-        #: the cost model's seconds for every planned route of the job (:meth:`tune`)
-        self.estimates: dict[tuple[Strategy, Mode, Entries], float] = {}
-        #: every sample has a shape of its own: routes are timed on samples of their own,
-        #: scaled by their estimates (:meth:`try_routes`)
-        self.spread = False
-        #: the most ops between a selected entry and the output (:meth:`tune`)
-        self.depth = 0
-
-    def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
-        instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
-        if self.options.strict:
-            if isinstance(err, UnsupportedOpError):
-                raise err
-            if err is not None:
-                raise RuntimeError(f"{why}; strict=True forbids running {instead} instead") from err
-            raise ValueError(f"{why}; strict=True forbids running {instead} instead")
-        self.fallbacks.append(f"{why}; ran {instead}")
-        return to
-
-    def first(self) -> tuple[Strategy, VectorPlan | None]:
-        strategy, buckets = self.options.strategy, len(self.packed.buckets())
-        if strategy is Strategy.VMAP and buckets > 1:
-            why = f"strategy='vmap' needs one shape signature but the batch has {buckets}"
-            return self.fall_back(why, Strategy.BUCKETED), None
-        if self.small_job():
-            if strategy is not Strategy.AUTO:
-                return strategy, None
-            return (Strategy.VMAP if buckets == 1 else Strategy.BUCKETED), None
-        if strategy is Strategy.AUTO and buckets > 1:
-            ran, plan = choose_strategy(self.fn, self.packed, self.options, self.notes)
-        else:
-            ran = Strategy.VMAP if strategy is Strategy.AUTO else strategy
-            ran, plan = self.plan(ran)
-        if plan is not None:
-            ran, plan = self.tune(ran, plan)
-        return ran, plan
-
-    def small_job(self) -> bool:
-        """Under ``tune="auto"``, a job whose loop would take under :data:`SMALL_JOB_S` (one
-        forward pass, timed, times the samples and rows) runs its cheapest plan: no survey, no
-        padded plan, no probe (planning would cost more than it saves)."""
-        o = self.options
-        free = [o.strategy is Strategy.AUTO, o.mode is Mode.AUTO, o.entries is Entries.AUTO]
-        if o.tune is not Tune.AUTO or not any(free) or SMALL_JOB_S <= 0:
-            return False
-        levels = tuple(self.packed.sample(self.packed.largest_sample))
-        start = time.perf_counter()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            rows = self.fn.call(self.fn.params, levels).numel()
-        loop = (time.perf_counter() - start) * len(self.packed) * (1 + 2 * rows)
-        if loop >= SMALL_JOB_S:
-            return False
-        mode = o.mode
-        if mode is Mode.AUTO:
-            mode = Mode.FWD if self.fn.subset.numel < rows else Mode.REV
-        entries = Entries.GENERIC if o.entries is Entries.AUTO else o.entries
-        self.options = dataclasses.replace(o, mode=mode, entries=entries)
-        self.notes.append(
-            f"auto: a small job (the loop would take about {loop * 1e3:.0f} ms): mode "
-            f"{mode.value!r}, {entries.value} entries, no survey or probe"
-        )
-        return True
+    fn: PerSampleFunction
+    packed: PackedBatch
+    options: EngineOptions
+    notes: list[str]
+    trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None
 
     def tune(self, ran: Strategy, plan: VectorPlan) -> tuple[Strategy, VectorPlan]:
         """Shortlist the routes ``auto`` chooses between (strategy x mode x entries: those the
@@ -631,6 +567,82 @@ class _EngineRun:
         if self.spread:  # samples of different shapes: scaled by the route's own estimate
             return elapsed[0] * plan_seconds(plan) / _estimate_of(plan, idx) / len(self.packed)
         return elapsed[0] / len(idx)
+
+
+class _EngineRun(_RouteTiming):
+    """One call: the strategy that runs, its plan, fallbacks and notes."""
+
+    def __init__(self, fn: PerSampleFunction, packed: PackedBatch, options: EngineOptions) -> None:
+        self.fn, self.packed, self.options = fn, packed, options
+        self.requested = options  # ``options`` changes when mode 'fwd' turns out impossible
+        self.fallbacks: list[str] = []
+        self.notes: list[str] = []
+        self.key = plan_key(fn, packed, options)
+        self.cached = PLAN_CACHE.get(fn.model, self.key)
+        #: the shortlisted routes, timed on the first samples of the run (:meth:`try_routes`)
+        self.trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None = None
+        #: the cost model's seconds for every planned route of the job (:meth:`tune`)
+        self.estimates: dict[tuple[Strategy, Mode, Entries], float] = {}
+        #: every sample has a shape of its own: routes are timed on samples of their own,
+        #: scaled by their estimates (:meth:`try_routes`)
+        self.spread = False
+        #: the most ops between a selected entry and the output (:meth:`tune`)
+        self.depth = 0
+
+    def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
+        instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
+        if self.options.strict:
+            if isinstance(err, UnsupportedOpError):
+                raise err
+            if err is not None:
+                raise RuntimeError(f"{why}; strict=True forbids running {instead} instead") from err
+            raise ValueError(f"{why}; strict=True forbids running {instead} instead")
+        self.fallbacks.append(f"{why}; ran {instead}")
+        return to
+
+    def first(self) -> tuple[Strategy, VectorPlan | None]:
+        strategy, buckets = self.options.strategy, len(self.packed.buckets())
+        if strategy is Strategy.VMAP and buckets > 1:
+            why = f"strategy='vmap' needs one shape signature but the batch has {buckets}"
+            return self.fall_back(why, Strategy.BUCKETED), None
+        if self.small_job():
+            if strategy is not Strategy.AUTO:
+                return strategy, None
+            return (Strategy.VMAP if buckets == 1 else Strategy.BUCKETED), None
+        if strategy is Strategy.AUTO and buckets > 1:
+            ran, plan = choose_strategy(self.fn, self.packed, self.options, self.notes)
+        else:
+            ran = Strategy.VMAP if strategy is Strategy.AUTO else strategy
+            ran, plan = self.plan(ran)
+        if plan is not None:
+            ran, plan = self.tune(ran, plan)
+        return ran, plan
+
+    def small_job(self) -> bool:
+        """Under ``tune="auto"``, a job whose loop would take under :data:`SMALL_JOB_S` (one
+        forward pass, timed, times the samples and rows) runs its cheapest plan: no survey, no
+        padded plan, no probe (planning would cost more than it saves)."""
+        o = self.options
+        free = [o.strategy is Strategy.AUTO, o.mode is Mode.AUTO, o.entries is Entries.AUTO]
+        if o.tune is not Tune.AUTO or not any(free) or SMALL_JOB_S <= 0:
+            return False
+        levels = tuple(self.packed.sample(self.packed.largest_sample))
+        start = time.perf_counter()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            rows = self.fn.call(self.fn.params, levels).numel()
+        loop = (time.perf_counter() - start) * len(self.packed) * (1 + 2 * rows)
+        if loop >= SMALL_JOB_S:
+            return False
+        mode = o.mode
+        if mode is Mode.AUTO:
+            mode = Mode.FWD if self.fn.subset.numel < rows else Mode.REV
+        entries = Entries.GENERIC if o.entries is Entries.AUTO else o.entries
+        self.options = dataclasses.replace(o, mode=mode, entries=entries)
+        self.notes.append(
+            f"auto: a small job (the loop would take about {loop * 1e3:.0f} ms): mode "
+            f"{mode.value!r}, {entries.value} entries, no survey or probe"
+        )
+        return True
 
     def plan(self, ran: Strategy) -> tuple[Strategy, VectorPlan | None]:
         """Plan ``ran``; a padded strategy that cannot run falls back to ``bucketed``.

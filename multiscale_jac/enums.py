@@ -264,10 +264,12 @@ class SubsetOfWeights(_StrEnum):
 
 
 class HessianStructure(_StrEnum):
-    """The structure of the curvature: ``full`` (``P x P``) or ``diag`` (``(P,)``)."""
+    """The structure of the curvature: ``full`` (``P x P``), ``diag`` (``(P,)``) or ``kron``
+    (Kronecker factors per Linear/Conv tensor, K-FAC)."""
 
     FULL = "full"
     DIAG = "diag"
+    KRON = "kron"
 
 
 class PredType(_StrEnum):

@@ -429,7 +429,9 @@ def test_ragged_multilevel_samples(structure: str) -> None:
 # ---------------------------------------------------------------------- the front door itself
 def test_factory_choices_and_errors() -> None:
     model = mlp(3)
-    assert isinstance(Laplace(model, "classification"), mj.SubnetLaplace)  # last layer, full
+    # laplace-torch's defaults: the last layer, Kronecker-factored
+    default = Laplace(model, "classification")
+    assert type(default) is mj.KronLaplace and default.subset.names == ("2.weight", "2.bias")
     full = Laplace(model, "classification", subset_of_weights="all", hessian_structure="full")
     assert type(full) is mj.SubnetLaplace and full.n_params == 51
     sub_diag = Laplace(
@@ -441,7 +443,7 @@ def test_factory_choices_and_errors() -> None:
     assert Laplace(frozen, "regression", "all", "diag").n_params == 51 - 24
     cases = [
         ({"subset_of_weights": "everything"}, ValueError, "unknown subset_of_weights 'everything'"),
-        ({"hessian_structure": "kron"}, ValueError, "'kron' has no counterpart"),
+        ({"hessian_structure": "lowrank"}, ValueError, "'lowrank' has no counterpart"),
         ({"subset_of_weights": "subnetwork"}, ValueError, "needs subnetwork_indices"),
         (
             {"subnetwork_indices": torch.tensor([1])},
@@ -463,7 +465,7 @@ def test_factory_choices_and_errors() -> None:
             TypeError,
             "1-d LongTensor; got list",
         ),
-        ({"backend": object}, TypeError, "laplace-torch's backend="),
+        ({"backend": object}, ValueError, "unknown backend 'object'"),
         ({"likelihood": "poisson"}, ValueError, "likelihood"),
     ]
     for kwargs, err, match in cases:

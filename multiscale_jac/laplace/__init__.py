@@ -41,7 +41,10 @@ The parts, one module each (private; the names above are the public ones):
   precision, log-determinant, whitening, sampling, kept bytes;
 * ``_marglik``: the log marginal likelihood and prior tuning (marglik, grid search);
 * ``_predictive``: :class:`GLMPredictive`, the link approximations, predictive samples;
-* ``_subnet``, ``_diag``: :class:`SubnetLaplace` and :class:`DiagLaplace`, composed of those;
+* ``_kron``: the Kronecker-factored form (K-FAC: per-tensor factors and their eigenbases);
+* ``_subnet``, ``_diag``, ``_kronlaplace``: :class:`SubnetLaplace`, :class:`DiagLaplace` and
+  :class:`KronLaplace` (K-FAC factors from :func:`~multiscale_jac._kfac.kron_factors`),
+  composed of those;
 * ``_frontdoor``: laplace-torch's ``Laplace()`` and its option translation.
 """
 
@@ -49,12 +52,14 @@ from __future__ import annotations
 
 from ._diag import DiagLaplace
 from ._frontdoor import Laplace
+from ._kronlaplace import KronLaplace
 from ._predictive import GLMPredictive
 from ._subnet import SubnetLaplace
 
 __all__ = [
     "DiagLaplace",
     "GLMPredictive",
+    "KronLaplace",
     "Laplace",
     "SubnetLaplace",
 ]

@@ -16,10 +16,12 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import (
+    ArgumentTypeError,
     check_bool,
     check_chunk_size,
     check_int,
     check_memory_budget,
+    check_noise,
     check_positive_number,
     prepare,
 )
@@ -92,18 +94,31 @@ class LaplaceBase:
         self.entries = parse_enum(Entries, entries, "entries")
         self.mean = self.subset.flatten(self.subset.check_model(model)).detach().clone()
         self.temperature = check_positive_number(temperature, "temperature")
-        self.sigma_noise = check_positive_number(sigma_noise, "sigma_noise")
-        if self.likelihood is Likelihood.CLASSIFICATION and self.sigma_noise != 1.0:
-            raise ValueError(f"sigma_noise must be 1 for classification; got {sigma_noise!r}")
+        self._scale: Tensor | None = None
+        self.sigma_noise = sigma_noise
         self.prior_mean = self._vector(prior_mean, "prior_mean", positive=False)
         self._prior_precision = self._prior_form(prior_precision, "prior_precision", positive=True)
         self.H: Any = None  # the curvature, in the class's layout
         self.loss = 0.0
         self.n_data = 0
         self.n_outputs = 0
-        self._scale: Tensor | None = None
         self._fallbacks: list[str] = []
         self._memo = None
+
+    @property
+    def sigma_noise(self) -> float | Tensor:
+        """The Gaussian noise scale (regression; 1 for classification): a number, or a 0-d
+        tensor where one was given (a tensor of one value is kept as one, e.g. a tuned noise
+        that requires grad). Assigning it resets the cached posterior scale."""
+        return self._sigma_noise
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: Any) -> None:
+        noise = check_noise(value, "sigma_noise")
+        if self.likelihood is Likelihood.CLASSIFICATION and float(noise) != 1.0:
+            raise ValueError(f"sigma_noise must be 1 for classification; got {value!r}")
+        self._sigma_noise = noise
+        self._scale = None
 
     @property
     def n_params(self) -> int:
@@ -152,7 +167,9 @@ class LaplaceBase:
                 )
             value = [value[k] for k in names]
         if isinstance(value, bool) or not isinstance(value, (int, float, Tensor, list, tuple)):
-            raise TypeError(f"{what} must be a number, a tensor or a sequence; got {value!r}")
+            raise ArgumentTypeError(
+                f"{what} must be a number, a tensor or a sequence; got {value!r}"
+            )
         t = (
             torch.as_tensor(value, dtype=dtype, device=device)
             if not isinstance(value, Tensor)

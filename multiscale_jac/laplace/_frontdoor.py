@@ -8,18 +8,16 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..enums import HessianStructure, Likelihood, SubsetOfWeights, parse_enum
+from ..enums import HessianKind, HessianStructure, Likelihood, SubsetOfWeights, parse_enum
 from ..subset import ParamSubset
 from ._diag import DiagLaplace
+from ._kronlaplace import KronLaplace
 from ._subnet import SubnetLaplace
 
 __all__ = ["Laplace"]
 
 #: laplace-torch options with no counterpart here, and what to do instead
 _FOREIGN_OPTIONS = {
-    "backend": "the curvature is computed exactly by this library; remove it",
-    "backend_kwargs": "the curvature is computed exactly by this library; remove it",
-    "asdl_fisher_kwargs": "the curvature is computed exactly by this library; remove it",
     "enable_backprop": "the predictive is not differentiable w.r.t. the inputs here",
     "dict_key_x": "pass the inputs in any form multiscale_jac.pack accepts",
     "dict_key_y": "pass (inputs, targets) pairs",
@@ -30,7 +28,7 @@ def Laplace(  # laplace-torch's name
     model: nn.Module,
     likelihood: str | Likelihood,
     subset_of_weights: str | SubsetOfWeights = "last_layer",
-    hessian_structure: str | HessianStructure = "full",
+    hessian_structure: str | HessianStructure = "kron",
     *,
     subnetwork_indices: Tensor | ParamSubset | None = None,
     sigma_noise: float = 1.0,
@@ -38,14 +36,14 @@ def Laplace(  # laplace-torch's name
     prior_mean: Any = 0.0,
     temperature: float = 1.0,
     **library_options: Any,
-) -> SubnetLaplace | DiagLaplace:
+) -> SubnetLaplace | DiagLaplace | KronLaplace:
     """laplace-torch's ``Laplace``: the approximation chosen by two strings.
 
     - ``subset_of_weights="subnetwork"``: :class:`SubnetLaplace` over ``subnetwork_indices``
       (``hessian_structure="full"``), :class:`DiagLaplace` over them (``"diag"``);
-    - ``"last_layer"``: :class:`SubnetLaplace` over the last layer, :class:`DiagLaplace` over it;
-    - ``"all"``: :class:`SubnetLaplace` over every weight (``P x P``: small models only),
-      :class:`DiagLaplace` over every weight.
+    - ``"last_layer"`` (default) and ``"all"``: over the last layer or every weight,
+      :class:`KronLaplace` (``"kron"``, the default, as laplace-torch), :class:`SubnetLaplace`
+      (``"full"``: ``P x P``, small models only) or :class:`DiagLaplace` (``"diag"``).
 
     Args:
         model: Any ``nn.Module`` at its MAP; never changed.
@@ -54,8 +52,7 @@ def Laplace(  # laplace-torch's name
             and bias of the last ``nn.Linear`` in registration order, or of the last module
             that owns parameters when there is none, e.g. a 1x1 convolution head) or ``all``
             (every parameter that requires grad).
-        hessian_structure: ``full`` (default here; laplace-torch defaults to ``kron``, which
-            has no counterpart) or ``diag``.
+        hessian_structure: ``kron`` (default, as laplace-torch), ``full`` or ``diag``.
         subnetwork_indices: For ``subnetwork``: a 1-d LongTensor of indices into
             ``parameters_to_vector(model.parameters())`` (the posterior's order), or a
             :class:`ParamSubset`.
@@ -64,11 +61,16 @@ def Laplace(  # laplace-torch's name
         prior_mean: A number or a ``(P,)`` vector.
         temperature: ``T``; the curvature is divided by it.
         **library_options: The classes' other keyword arguments (``hessian``, ``output_fn``,
-            ``memory_budget``, ``chunk_size``, ...; see :class:`SubnetLaplace` and
-            :class:`DiagLaplace`).
+            ``memory_budget``, ``chunk_size``, ...; see :class:`SubnetLaplace`,
+            :class:`DiagLaplace` and :class:`KronLaplace`), and laplace-torch's ``backend=``
+            (a curvature backend class or its name: a GGN backend means ``hessian="ggn"``, an
+            empirical-Fisher one ``hessian="empirical"``; the curvature is this library's,
+            docs/laplace.md "From laplace-torch"), ``backend_kwargs`` and
+            ``asdl_fisher_kwargs`` (empty, or what they mean here).
 
     Returns:
-        A :class:`SubnetLaplace` (``full``) or :class:`DiagLaplace` (``diag``), not fitted.
+        A :class:`KronLaplace` (``kron``), :class:`SubnetLaplace` (``full``) or
+        :class:`DiagLaplace` (``diag``), not fitted.
 
     Raises:
         ValueError: an unknown string (named with the choices), ``subnetwork`` without
@@ -90,8 +92,18 @@ def Laplace(  # laplace-torch's name
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
     which = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
     structure = _hessian_structure(hessian_structure)
+    library_options = _backend_options(library_options)
     subset = _subset_of_weights(model, which, subnetwork_indices)
-    cls = DiagLaplace if structure is HessianStructure.DIAG else SubnetLaplace
+    if which is SubsetOfWeights.SUBNETWORK and structure is HessianStructure.KRON:
+        raise ValueError(
+            "subset_of_weights='subnetwork' takes hessian_structure='full' or 'diag'; got "
+            "'kron' (Kronecker factors cover whole layers)"
+        )
+    cls = {
+        HessianStructure.DIAG: DiagLaplace,
+        HessianStructure.KRON: KronLaplace,
+        HessianStructure.FULL: SubnetLaplace,
+    }[structure]
     return cls(
         model,
         likelihood,
@@ -108,12 +120,67 @@ def _hessian_structure(value: Any) -> HessianStructure:
     try:
         return parse_enum(HessianStructure, value, "hessian_structure")
     except ValueError as err:
-        if value in ("kron", "lowrank", "gp"):
+        if value in ("lowrank", "gp"):
             raise ValueError(
                 f"{err} (laplace-torch's {value!r} has no counterpart here: 'full' is exact on "
-                "a subnetwork or the last layer, 'diag' covers every weight)"
+                "a subnetwork or the last layer, 'kron' and 'diag' cover every weight)"
             ) from None
         raise
+
+
+#: laplace-torch's curvature backends by name: what each means here (docs/laplace.md)
+BACKENDS = {
+    **dict.fromkeys(["BackPackGGN", "CurvlinopsGGN", "AsdlGGN", "AsdfghjklGGN"], HessianKind.GGN),
+    **dict.fromkeys(["BackPackEF", "CurvlinopsEF", "AsdlEF", "AsdfghjklEF"], HessianKind.EMPIRICAL),
+}
+_HESSIAN_BACKENDS = ("CurvlinopsHessian", "AsdlHessian", "AsdfghjklHessian")
+
+
+def _backend_options(options: dict[str, Any]) -> dict[str, Any]:
+    """laplace-torch's ``backend=`` (a class or its name), ``backend_kwargs`` and
+    ``asdl_fisher_kwargs`` as this library's options (``hessian=``); what has no meaning
+    here is refused, naming it."""
+    options = dict(options)
+    backend = options.pop("backend", None)
+    backend_kwargs = options.pop("backend_kwargs", None) or {}
+    fisher_kwargs = options.pop("asdl_fisher_kwargs", None) or {}
+    if fisher_kwargs:
+        raise ValueError(
+            f"asdl_fisher_kwargs={fisher_kwargs!r}: ASDL's Fisher options have no counterpart "
+            "(the curvature is this library's exact GGN or empirical Fisher)"
+        )
+    if not isinstance(backend_kwargs, dict):
+        raise TypeError(f"backend_kwargs must be a dict; got {type(backend_kwargs).__name__}")
+    if backend is None:
+        if backend_kwargs:
+            raise ValueError(f"backend_kwargs={backend_kwargs!r} given without a backend")
+        return options
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+    if name in _HESSIAN_BACKENDS:
+        raise ValueError(
+            f"backend={name}: the exact Hessian has no counterpart here; use a GGN backend "
+            "(the generalised Gauss-Newton) or an EF backend (the empirical Fisher)"
+        )
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown backend {name!r}; laplace-torch's GGN backends ({', '.join(k for k, v in BACKENDS.items() if v is HessianKind.GGN)}) "
+            "and empirical-Fisher backends "
+            f"({', '.join(k for k, v in BACKENDS.items() if v is HessianKind.EMPIRICAL)}) are accepted"
+        )
+    unknown = {k: v for k, v in backend_kwargs.items() if not (k == "stochastic" and v is False)}
+    if unknown:
+        raise ValueError(
+            f"backend_kwargs={unknown!r} of {name}: only stochastic=False (the exact GGN) has a "
+            "counterpart here"
+        )
+    hessian = BACKENDS[name]
+    given = options.get("hessian")
+    if given is not None and parse_enum(HessianKind, given, "hessian") is not hessian:
+        raise ValueError(
+            f"backend={name} means hessian={hessian.value!r}, but hessian={given!r} was given"
+        )
+    options["hessian"] = hessian
+    return options
 
 
 def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -> ParamSubset:
