@@ -118,9 +118,16 @@ class KronLaplace(KronCurvature, Predictive, MarginalLikelihood):
         temperature: ``T``; the curvature is divided by it.
         prior_mean: A number or a ``(P,)`` vector.
         hessian: ``ggn`` (default) or ``empirical``.
-        output_fn, ignore_index, input_kind, chunk_size, memory_budget, randomness,
-            batch_norm, strict, entries: As for :class:`SubnetLaplace` (``chunk_size`` and
-            ``memory_budget`` also bound the fit's batched runs).
+        output_fn: Applied to the model's output (batch dim of one kept).
+        ignore_index: Label of positions left out of dense classification.
+        input_kind: How to read inputs where it is ambiguous (:func:`~multiscale_jac.pack`).
+        chunk_size: Samples per batched run (fit) and per engine call (predictive).
+        memory_budget: Bytes of the working set of :meth:`fit` (the factors included) and of
+            :meth:`predictive`.
+        randomness: ``error`` or ``different`` (``same`` is refused by the fit's batched runs).
+        batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
+        strict: Raise instead of letting the predictive's engine fall back.
+        entries: How the predictive's engine forms single-entry columns.
 
     Raises:
         TypeError, ValueError: bad arguments (the message names the value), a selected
