@@ -21,6 +21,7 @@ from . import reference
 from .adapter import PerSampleFunction
 from .engine import PlanCacheInfo, clear_plan_cache, per_sample_jacobian, plan_cache_info
 from .enums import (
+    ArgumentTypeError,
     BatchNormPolicy,
     Entries,
     Estimator,
@@ -103,7 +104,8 @@ __all__ = [
     "largest_variance",
     # reference
     "reference",
-    # option enums and warnings
+    # option enums, warnings and errors
+    "ArgumentTypeError",
     "BatchNormPolicy",
     "Entries",
     "FallbackWarning",

@@ -21,6 +21,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from .adapter import PerSampleFunction
 from .enums import (
+    ArgumentTypeError,
     BatchNormPolicy,
     FallbackWarning,
     InputKind,
@@ -147,9 +148,11 @@ class Prepared:
         *,
         output_fn: Callable[[Any], Any] | None = None,
         subset: ParamSubset | None = None,
+        model_kwargs: dict[str, Any] | None = None,
     ) -> PerSampleFunction:
         """The model as a per-sample function of ``subset`` (default: the selected entries) for
-        inputs shaped like ``packed``, with ``output_fn`` (default: the user's)."""
+        inputs shaped like ``packed``, with ``output_fn`` (default: the user's) and keyword
+        arguments for the model's forward."""
         return PerSampleFunction(
             self.model,
             self.subset if subset is None else subset,
@@ -157,6 +160,7 @@ class Prepared:
             self.output_fn if output_fn is None else output_fn,
             eval_batch_norm=self.eval_batch_norm,
             tokens=packed.layout is Layout.NESTED,
+            model_kwargs=model_kwargs,
         )
 
 
@@ -255,12 +259,6 @@ def check_memory_budget(budget: Any) -> int | None:
     if not budget > 0:
         raise ValueError(f"memory_budget must be > 0 bytes; got {budget!r}")
     return int(budget)
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """A value of the wrong type where laplace-torch's calls raise ``ValueError``: a
-    ``TypeError`` as everywhere in this library, and a ``ValueError`` for code written against
-    laplace-torch."""
 
 
 def check_noise(value: Any, name: str = "sigma_noise") -> float | Tensor:

@@ -15,7 +15,7 @@ import math
 import torch
 from torch import Tensor
 
-from .enums import Likelihood
+from .enums import ArgumentTypeError, Likelihood
 
 __all__ = [
     "check_target",
@@ -52,7 +52,7 @@ def check_target(
             raise ValueError(f"targets[{i}]: the regression target has {y[k].item()} at entry {k}")
         return y
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"targets[{i}]: classification targets must be integer class indices; got dtype "
             f"{target.dtype} (values such as {target.reshape(-1)[:3].tolist()}). Convert "
             "labels with .long() if they are whole numbers; a float target is not a class"

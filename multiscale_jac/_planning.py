@@ -795,7 +795,7 @@ def plan_key(fn: PerSampleFunction, packed: PackedBatch, options: EngineOptions)
     )
     levels = tuple((t.shape[1:2], t.dtype) for t in packed.levels)
     inputs = (packed.structure, packed.layout, packed.signatures, levels, packed.device)
-    flags = (fn.eval_batch_norm, fn.tokens)
+    flags = (fn.eval_batch_norm, fn.tokens, repr(sorted(fn.model_kwargs.items())))
     return (modules, tensors, inputs, subset_key(fn.subset), options, output_fn, flags)
 
 

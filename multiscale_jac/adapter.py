@@ -32,7 +32,7 @@ from .enums import InputKind
 from .packing import Structure
 from .subset import ParamSubset
 
-__all__ = ["PerSampleFunction", "dense_weight", "flatten_output"]
+__all__ = ["PerSampleFunction", "check_model_kwargs", "dense_weight", "flatten_output"]
 
 
 class PerSampleFunction:
@@ -48,6 +48,8 @@ class PerSampleFunction:
         eval_batch_norm: Run train-mode BatchNorm layers with their running statistics.
         tokens: Give the model every level as tokens ``(1, positions, C_l)`` instead of
             ``(1, C_l, *spatial)`` (inputs packed with ``layout="nested"``).
+        model_kwargs: Keyword arguments given to every call of the model (not tensors: a
+            tensor with a batch dim would have to be split per sample).
 
     ``values`` is a tuple with one tensor per selected parameter tensor, in ``subset.names``
     order, shaped ``subset.selected_shape(name)``. ``levels`` are the sample's levels
@@ -69,8 +71,10 @@ class PerSampleFunction:
         *,
         eval_batch_norm: bool = False,
         tokens: bool = False,
+        model_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         params = subset.check_model(model)
+        self.model_kwargs = check_model_kwargs(model_kwargs)
         self.model = model
         self.subset = subset
         self.structure = kind if isinstance(kind, Structure) else Structure(InputKind(kind))
@@ -179,13 +183,33 @@ class PerSampleFunction:
             params.update((n, b.clone()) for n, b in self._bn_counters.items())
             stack.enter_context(_EvalBatchNormMode())
         # inside the transform: nothing it wraps stays on the user's modules
+        kw = self.model_kwargs
         out = self._state.run(
-            lambda: functional_call(self.model, params, (arg,)) if params else self.model(arg)
+            lambda: (
+                functional_call(self.model, params, (arg,), kw) if params else self.model(arg, **kw)
+            )
         )
         return self.output_fn(out) if self.output_fn is not None else out
 
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
         return self.call(self.full_params(values), levels)
+
+
+def check_model_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Keyword arguments for the model's forward, checked: a mapping with string keys and no
+    tensor values (a tensor with a batch dim would have to be split per sample: pass it in the
+    inputs instead)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"model keyword arguments must be a mapping; got {type(kwargs).__name__}")
+    tensors = [k for k, v in kwargs.items() if isinstance(v, Tensor)]
+    if tensors:
+        raise TypeError(
+            f"model keyword argument(s) {tensors} are tensors: a tensor with a batch dim would "
+            "have to be split per sample; pass it as part of the inputs"
+        )
+    return dict(kwargs)
 
 
 def dense_weight(w0: Tensor, idx: Tensor, v: Tensor) -> Tensor:

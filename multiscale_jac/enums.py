@@ -11,6 +11,7 @@ from enum import Enum
 from typing import TypeVar
 
 __all__ = [
+    "ArgumentTypeError",
     "BatchNormPolicy",
     "Entries",
     "Estimator",
@@ -295,6 +296,12 @@ class LayerRule(_StrEnum):
     PER_SAMPLE = "per_sample"
     NORM_AFFINE = "norm_affine"
     VMAP = "vmap"
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A value of the wrong type where laplace-torch raises ``ValueError`` (a string noise
+    scale, float class labels): a ``TypeError`` as everywhere in this library, and a
+    ``ValueError`` for code written against laplace-torch."""
 
 
 class FallbackWarning(UserWarning):

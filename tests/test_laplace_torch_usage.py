@@ -299,7 +299,7 @@ def test_all_weights_diag_regression_usage(hessian: str) -> None:
     _, diag_var = la(x, diagonal_output=True)
     torch.testing.assert_close(diag_var, f_var.diagonal(dim1=1, dim2=2), atol=TOL, rtol=0)
     assert la.predictive_samples(x, n_samples=6).shape == (6, 3, 2)
-    nn_mean, nn_var = la(x, pred_type="nn", n_samples=5)
+    nn_mean, nn_var = la(x, pred_type="nn", link_approx="mc", n_samples=5)
     assert nn_mean.shape == (3, 2) and nn_var.shape == (3, 2)
 
 
@@ -553,3 +553,30 @@ def test_diag_on_a_cnn_with_batch_norm() -> None:
     for i, (o, j) in enumerate(zip(outs[:2], jacs[:2])):
         ref = probit(o, (j * j / (h + 1.0)).sum(1), 3).reshape(-1)
         torch.testing.assert_close(probs[i], ref, atol=TOL, rtol=0)
+
+
+def test_model_keyword_arguments_reach_the_forward() -> None:
+    """``la(x, **model_kwargs)``: every call of the model in the predictive gets them."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            return self.fc(x) * scale
+
+    torch.manual_seed(0)
+    model = Scaled().to(DTYPE)
+    x, y = torch.randn(5, 3, dtype=DTYPE), torch.randn(5, 2, dtype=DTYPE)
+    la = Laplace(model, "regression", "all", "full").fit([(x, y)])
+    f_mu, f_var = la(x, scale=2.0)
+    torch.testing.assert_close(f_mu, 2 * model(x), atol=1e-12, rtol=0)
+    _, f_var1 = la(x)
+    torch.testing.assert_close(f_var, 4 * f_var1, atol=1e-10, rtol=0)
+    nn_mean, _ = la(x, pred_type="nn", link_approx="mc", n_samples=3, scale=0.0)
+    assert torch.all(nn_mean == 0)
+    with pytest.raises(TypeError, match=r"\['scale'\] are tensors"):
+        la(x, scale=torch.ones(5, 1))
+    with pytest.raises(ValueError, match="link_approx='mc'"):
+        la(x, pred_type="nn", scale=2.0)  # laplace-torch's rule, for regression too

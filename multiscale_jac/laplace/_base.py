@@ -10,13 +10,12 @@ form).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import (
-    ArgumentTypeError,
     check_bool,
     check_chunk_size,
     check_int,
@@ -26,6 +25,7 @@ from .._checks import (
     prepare,
 )
 from ..enums import (
+    ArgumentTypeError,
     BatchNormPolicy,
     Entries,
     HessianKind,
@@ -39,7 +39,18 @@ from ..subset import ParamSubset
 if TYPE_CHECKING:
     from .._checks import Prepared
 
-__all__ = ["LaplaceBase"]
+__all__ = ["CurvatureBackend", "LaplaceBase"]
+
+
+class CurvatureBackend(NamedTuple):
+    """What computes the curvature (laplace-torch's ``la.backend``): always this library;
+    ``name`` is the laplace-torch backend a caller named (``None``: none), ``hessian`` what it
+    means here, ``subnetwork_indices`` the posterior's entries as indices into
+    ``parameters_to_vector(model.parameters())``, in the posterior's order."""
+
+    name: str | None
+    hessian: HessianKind
+    subnetwork_indices: Tensor
 
 
 class LaplaceBase:
@@ -103,6 +114,8 @@ class LaplaceBase:
         self.n_data = 0
         self.n_outputs = 0
         self._fallbacks: list[str] = []
+        self._backend_name: str | None = None  # laplace-torch's backend= through Laplace()
+        self._model_kwargs: dict[str, Any] = {}  # la(x, **model_kwargs) while it runs
         self._memo = None
 
     @property
@@ -119,6 +132,12 @@ class LaplaceBase:
             raise ValueError(f"sigma_noise must be 1 for classification; got {value!r}")
         self._sigma_noise = noise
         self._scale = None
+
+    @property
+    def backend(self) -> CurvatureBackend:
+        """laplace-torch's ``la.backend``: the curvature's description (no object of another
+        library is involved)."""
+        return CurvatureBackend(self._backend_name, self.hessian, self.subset.flat_indices())
 
     @property
     def n_params(self) -> int:

@@ -162,7 +162,9 @@ class JacobianStream(LaplaceBase):
         self, packed: PackedBatch, output_fn: Callable[[Any], Any] | None = None
     ) -> PerSampleFunction:
         return self._prep.function(
-            packed, output_fn=output_fn or Capture(self.output_fn, "SubnetLaplace")
+            packed,
+            output_fn=output_fn or Capture(self.output_fn, type(self).__name__),
+            model_kwargs=self._model_kwargs,
         )
 
     def _budget(
@@ -295,7 +297,9 @@ class JacobianStream(LaplaceBase):
         output_fn: Callable[[Any], Any] | None,
         options: EngineOptions,
     ) -> Any:
-        fn = self._prep.function(packed, output_fn=output_fn or self.output_fn)
+        fn = self._prep.function(
+            packed, output_fn=output_fn or self.output_fn, model_kwargs=self._model_kwargs
+        )
         res = run_engine(fn, packed, options)
         self._fallbacks.append(res.fallback or "")
         return res

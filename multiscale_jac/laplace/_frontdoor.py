@@ -78,22 +78,17 @@ def Laplace(  # laplace-torch's name
         TypeError: a model that is not an ``nn.Module``, a laplace-torch option that has no
             counterpart here (the message says what to do).
     """
-    for name, why in _FOREIGN_OPTIONS.items():
-        if name in library_options:
-            raise TypeError(
-                f"Laplace() got laplace-torch's {name}=, which has no counterpart: {why}"
-            )
-    if "subset" in library_options:
-        raise TypeError(
-            "Laplace() takes the subset as subset_of_weights='subnetwork' with "
-            "subnetwork_indices=...; SubnetLaplace(model, likelihood, subset) takes it directly"
-        )
+    _refuse_foreign(library_options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
     which = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
     structure = _hessian_structure(hessian_structure)
-    library_options = _backend_options(library_options)
-    subset = _subset_of_weights(model, which, subnetwork_indices)
+    library_options, backend_name = _backend_options(library_options)
+    last_name, library_options = _last_layer_options(library_options, which)
+    if last_name is not None:
+        subset = _named_last_layer(model, last_name)
+    else:
+        subset = _subset_of_weights(model, which, subnetwork_indices)
     if which is SubsetOfWeights.SUBNETWORK and structure is HessianStructure.KRON:
         raise ValueError(
             "subset_of_weights='subnetwork' takes hessian_structure='full' or 'diag'; got "
@@ -104,7 +99,7 @@ def Laplace(  # laplace-torch's name
         HessianStructure.KRON: KronLaplace,
         HessianStructure.FULL: SubnetLaplace,
     }[structure]
-    return cls(
+    la = cls(
         model,
         likelihood,
         subset,
@@ -114,6 +109,22 @@ def Laplace(  # laplace-torch's name
         temperature=temperature,
         **library_options,
     )
+    la._backend_name = backend_name
+    return la
+
+
+def _refuse_foreign(options: dict[str, Any]) -> None:
+    """laplace-torch options without a counterpart, and ``subset=`` (the classes' name)."""
+    for name, why in _FOREIGN_OPTIONS.items():
+        if name in options:
+            raise TypeError(
+                f"Laplace() got laplace-torch's {name}=, which has no counterpart: {why}"
+            )
+    if "subset" in options:
+        raise TypeError(
+            "Laplace() takes the subset as subset_of_weights='subnetwork' with "
+            "subnetwork_indices=...; SubnetLaplace(model, likelihood, subset) takes it directly"
+        )
 
 
 def _hessian_structure(value: Any) -> HessianStructure:
@@ -128,6 +139,74 @@ def _hessian_structure(value: Any) -> HessianStructure:
         raise
 
 
+#: laplace-torch's ``feature_reduction`` values (its ``FeatureReduction``)
+FEATURE_REDUCTIONS = ("pick_first", "pick_last", "average")
+
+
+def _last_layer_options(
+    options: dict[str, Any], which: SubsetOfWeights
+) -> tuple[str | None, dict[str, Any]]:
+    """laplace-torch's last-layer options: ``last_layer_name`` (returned) and
+    ``feature_reduction``, which reduces the features between the batch and the feature dim
+    before the last layer; as the last layer is linear and the model's output, that is the
+    same reduction of the output, so it becomes part of ``output_fn``."""
+    options = dict(options)
+    name = options.pop("last_layer_name", None)
+    reduction = options.pop("feature_reduction", None)
+    reduction = getattr(reduction, "value", reduction)
+    if which is not SubsetOfWeights.LAST_LAYER and (name is not None or reduction is not None):
+        given = "last_layer_name" if name is not None else "feature_reduction"
+        raise ValueError(
+            f"{given} is an option of subset_of_weights='last_layer'; got "
+            f"subset_of_weights={which.value!r}"
+        )
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"last_layer_name must be a module name (str); got {name!r}")
+    if reduction is None:
+        return name, options
+    if reduction not in FEATURE_REDUCTIONS:
+        raise ValueError(
+            f"unknown feature_reduction {reduction!r}; expected one of {FEATURE_REDUCTIONS} or None"
+        )
+    user = options.get("output_fn")
+    options["output_fn"] = _Reduced(user, reduction)
+    return name, options
+
+
+class _Reduced:
+    """``output_fn`` reducing ``(1, *middle, C)`` outputs over the middle dims (laplace-torch's
+    ``feature_reduction`` moved past the linear last layer); 2-d outputs pass unchanged."""
+
+    def __init__(self, user: Any, reduction: str) -> None:
+        self.user, self.reduction = user, reduction
+
+    def __call__(self, out: Any) -> Any:
+        out = self.user(out) if self.user is not None else out
+        if not isinstance(out, Tensor) or out.dim() <= 2:
+            return out
+        middle = tuple(range(1, out.dim() - 1))
+        if self.reduction == "average":
+            return out.mean(dim=middle)
+        k = 0 if self.reduction == "pick_first" else -1
+        return out[(slice(None), *[k] * len(middle), slice(None))]
+
+
+def _named_last_layer(model: nn.Module, name: str) -> ParamSubset:
+    """The parameters of module ``name`` (laplace-torch's ``last_layer_name``)."""
+    try:
+        module = model.get_submodule(name)
+    except AttributeError:
+        names = [n for n, m in model.named_modules() if n and any(True for _ in m.parameters())]
+        raise ValueError(
+            f"last_layer_name {name!r} is not a module of the model; modules with "
+            f"parameters: {names[:12]}"
+        ) from None
+    owned = [f"{name}.{n}" if name else n for n, p in module.named_parameters() if p.requires_grad]
+    if not owned:
+        raise ValueError(f"last_layer_name {name!r} has no parameters that require grad")
+    return ParamSubset.from_names(model, owned)
+
+
 #: laplace-torch's curvature backends by name: what each means here (docs/laplace.md)
 BACKENDS = {
     **dict.fromkeys(["BackPackGGN", "CurvlinopsGGN", "AsdlGGN", "AsdfghjklGGN"], HessianKind.GGN),
@@ -136,10 +215,10 @@ BACKENDS = {
 _HESSIAN_BACKENDS = ("CurvlinopsHessian", "AsdlHessian", "AsdfghjklHessian")
 
 
-def _backend_options(options: dict[str, Any]) -> dict[str, Any]:
+def _backend_options(options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """laplace-torch's ``backend=`` (a class or its name), ``backend_kwargs`` and
-    ``asdl_fisher_kwargs`` as this library's options (``hessian=``); what has no meaning
-    here is refused, naming it."""
+    ``asdl_fisher_kwargs`` as this library's options (``hessian=``), and the backend's name;
+    what has no meaning here is refused, naming it."""
     options = dict(options)
     backend = options.pop("backend", None)
     backend_kwargs = options.pop("backend_kwargs", None) or {}
@@ -154,7 +233,7 @@ def _backend_options(options: dict[str, Any]) -> dict[str, Any]:
     if backend is None:
         if backend_kwargs:
             raise ValueError(f"backend_kwargs={backend_kwargs!r} given without a backend")
-        return options
+        return options, None
     name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
     if name in _HESSIAN_BACKENDS:
         raise ValueError(
@@ -180,7 +259,7 @@ def _backend_options(options: dict[str, Any]) -> dict[str, Any]:
             f"backend={name} means hessian={hessian.value!r}, but hessian={given!r} was given"
         )
     options["hessian"] = hessian
-    return options
+    return options, name
 
 
 def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -> ParamSubset:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .._checks import check_bool, check_generator, check_positive_int
 from .._stream import raw_output
+from ..adapter import check_model_kwargs
 from ..enums import Likelihood, LinkApprox, PredType, parse_enum
 from ._curvature import JacobianStream
 from ._posterior import Posterior
@@ -73,19 +74,23 @@ class Predictive(Posterior, JacobianStream):
         n_samples: int = 100,
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
+        **model_kwargs: Any,
     ) -> Tensor | list[Tensor] | tuple[Any, Any]:
         """laplace-torch's predictive at ``x`` (any form :func:`~multiscale_jac.pack` accepts).
 
         Args:
             x: The inputs.
             pred_type: ``glm`` (linearised) or ``nn`` (the model run with posterior samples;
-                classification then needs ``link_approx="mc"``).
+                it needs ``link_approx="mc"``, as laplace-torch: the others approximate the GLM's
+                link).
             joint: Must be ``False`` (a covariance across samples is not formed).
             link_approx: ``probit``, ``mc`` or ``bridge`` (classification).
             n_samples: Samples for ``mc`` and ``nn``.
             diagonal_output: Regression ``glm``: the marginal variances ``(N, O)`` instead of
                 the covariance.
             generator: Seeds the sampling.
+            **model_kwargs: Keyword arguments for every call of the model's forward in this
+                predictive (not tensors; laplace-torch's ``**model_kwargs``).
 
         Returns:
             Classification: probabilities ``(N, C)`` (dense logits: ``(N, C, *spatial)``, a
@@ -105,12 +110,26 @@ class Predictive(Posterior, JacobianStream):
                 "joint=True (one covariance across the samples of the batch) is not supported; "
                 "use functional_samples for joint draws"
             )
+        if pred is PredType.NN and link is not LinkApprox.MC:
+            raise ValueError(f"pred_type='nn' supports only link_approx='mc'; got {link.value!r}")
+        kwargs = check_model_kwargs(model_kwargs)
+        self._model_kwargs = kwargs
+        try:
+            return self._call(x, pred, link, n_samples, diagonal_output, generator)
+        finally:
+            self._model_kwargs = {}
+
+    def _call(
+        self,
+        x: Any,
+        pred: PredType,
+        link: LinkApprox,
+        n_samples: int,
+        diagonal_output: bool,
+        generator: torch.Generator | None,
+    ) -> Tensor | list[Tensor] | tuple[Any, Any]:
         cls = self.likelihood is Likelihood.CLASSIFICATION
         if pred is PredType.NN:
-            if cls and link is not LinkApprox.MC:
-                raise ValueError(
-                    f"pred_type='nn' supports only link_approx='mc'; got {link.value!r}"
-                )
             samples = self.functional_samples(x, n_samples, linearized=False, generator=generator)
             if cls:
                 return _per_sample(samples, lambda s: _softmax(s).mean(0))
