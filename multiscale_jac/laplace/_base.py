@@ -133,6 +133,18 @@ class LaplaceBase:
         self._sigma_noise = noise
         self._scale = None
 
+    def _batched_options(self) -> dict[str, Any]:
+        """The options a fit by batched runs (``diag_fisher``, ``kron_factors``) takes."""
+        return {
+            "output_fn": self.output_fn,
+            "ignore_index": self.ignore_index,
+            "input_kind": self._prep.input_kind,
+            "chunk_size": self.chunk_size,
+            "memory_budget": self.memory_budget,
+            "randomness": self._prep.randomness,
+            "batch_norm": "eval" if self._prep.eval_batch_norm else "error",
+        }
+
     @property
     def backend(self) -> CurvatureBackend:
         """laplace-torch's ``la.backend``: the curvature's description (no object of another

@@ -114,13 +114,7 @@ class DiagLaplace(DiagCurvature, Predictive, MarginalLikelihood):
             entries=entries,
         )
         self._fisher_options = {
-            "output_fn": output_fn,
-            "ignore_index": self.ignore_index,
-            "input_kind": input_kind,
-            "chunk_size": self.chunk_size,
-            "memory_budget": self.memory_budget,
-            "randomness": randomness,
-            "batch_norm": batch_norm,
+            **self._batched_options(),
             "strict": self.strict,
             "method": parse_enum(FisherMethod, method, "method"),
         }

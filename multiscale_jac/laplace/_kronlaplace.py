@@ -185,15 +185,7 @@ class KronLaplace(KronCurvature, Predictive, MarginalLikelihood):
                 "use SubnetLaplace or DiagLaplace for single entries"
             )
         self._per_tensor(self._prior_precision)
-        self._kron_options = {
-            "output_fn": output_fn,
-            "ignore_index": self.ignore_index,
-            "input_kind": input_kind,
-            "chunk_size": self.chunk_size,
-            "memory_budget": self.memory_budget,
-            "randomness": randomness,
-            "batch_norm": batch_norm,
-        }
+        self._kron_options = self._batched_options()
 
     @property
     def prior_precision(self) -> Tensor:
