@@ -95,7 +95,8 @@ class Tune(_StrEnum):
     ``chunk_size``, on the first samples of the run, always) or ``auto`` (time them on batches
     of 8 samples or more, also where every sample has a shape of its own: each route then on
     samples of its own; the shortlist spans 4x, 32x on a deep model; a job whose loop would
-    take under 0.1 s runs the cheapest plan without surveying). Timed samples stay in the
+    take under 0.1 s runs the cheapest plan without surveying; nothing is timed under a
+    ``memory_budget``). Timed samples stay in the
     result; the choice is cached per shapes (docs/design.md, "How auto chooses")."""
 
     AUTO = "auto"
