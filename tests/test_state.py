@@ -50,13 +50,13 @@ def _outputs(model: nn.Module, shapes: list) -> list[Tensor]:
     return outs
 
 
-def _shapes() -> list:
-    packed = mj.pack(CASE.inputs())
+def _shapes(case=CASE) -> list:
+    packed = mj.pack(case.inputs())
     return [[tuple(t.shape) for t in packed.sample(i)] for i in range(packed.num_samples)]
 
 
-def _assert_as_found(model: nn.Module, call) -> None:
-    shapes = _shapes() + _shapes()[:1]  # the last shape again: it meets the cache
+def _assert_as_found(model: nn.Module, call, case=CASE) -> None:
+    shapes = _shapes(case) + _shapes(case)[:1]  # the last shape again: it meets the cache
     _outputs(model, shapes[-1:])  # the user's own call before: its cache is set
     state = {k: v.clone() for k, v in model.state_dict().items()}
     attrs = _attributes(model)
@@ -112,6 +112,21 @@ ENTRY_POINTS = {
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 def test_every_entry_point_leaves_the_model_as_found(entry: str) -> None:
     _assert_as_found(CASE.build(), ENTRY_POINTS[entry])
+
+
+@pytest.mark.parametrize("case_id", ["anchor_cache_head", "coord_grid", "bifpn_ragged"])
+@pytest.mark.parametrize("strategy", ["auto", "padded", "bucketed"])
+def test_library_style_zoo_models_are_left_as_found(case_id: str, strategy: str) -> None:
+    """The zoo's models written as detection libraries write them: after a call, state, tensor
+    attributes and their own forward on every shape seen are as before."""
+    case = CASE_BY_ID[case_id]
+    _assert_as_found(
+        case.build(),
+        lambda m: mj.per_sample_jacobian(
+            m, case.inputs(), params=case.glob, strategy=strategy, strict=strategy == "padded"
+        ),
+        case,
+    )
 
 
 def test_an_error_leaves_the_model_as_found() -> None:
