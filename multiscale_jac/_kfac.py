@@ -115,7 +115,7 @@ from ._checks import (
     check_positive_number,
     prepare,
 )
-from ._likelihood import check_targets, draw_noise, labels_from_noise, nll_sum
+from ._likelihood import check_targets, draw_noise, labels_from_noise, nll_sum, output_dim
 from ._planning import measure
 from ._stream import pair, split_targets, with_progress
 from .adapter import PerSampleFunction
@@ -194,6 +194,8 @@ class KronResult:
         likelihood: ``classification`` or ``regression``.
         sigma_noise: The regression noise scale the factors and loss were computed at.
         num_outputs: The output entries seen (every sample's, summed).
+        output_dim: The size of dim 1 of the output (batch dim first: classes, channels or
+            regression outputs; 1 for one value per sample).
     """
 
     layers: tuple[KronFactors, ...]
@@ -203,6 +205,7 @@ class KronResult:
     likelihood: Likelihood
     sigma_noise: float = 1.0
     num_outputs: int = 0
+    output_dim: int = 0
 
     def __getitem__(self, name: str) -> KronFactors:
         """The layer holding parameter ``name``, or the layer of module ``name``."""
@@ -625,6 +628,7 @@ class _KronRun:
         self.prep, self.opts, self.layers = prep, opts, layers
         self.count = 0
         self.outputs = 0
+        self.output_dim = 0
         self.loss = layers[0].a.new_zeros(())
         self.separable_checked = False
 
@@ -690,6 +694,7 @@ class _KronRun:
         )
         self.loss += nll_sum(out.detach(), y, opts.likelihood, opts.sigma, opts.ignore)
         self.outputs += out[0].numel() * out.shape[0]
+        self.output_dim = output_dim(out.shape[1:])
         rec.backward(self._objectives(out, y))
 
     def _check_run(
@@ -768,7 +773,14 @@ class _KronRun:
         )
         opts = self.opts
         return KronResult(
-            layers, self.count, self.loss, opts.kind, opts.likelihood, opts.sigma, self.outputs
+            layers,
+            self.count,
+            self.loss,
+            opts.kind,
+            opts.likelihood,
+            opts.sigma,
+            self.outputs,
+            self.output_dim,
         )
 
 

@@ -28,6 +28,12 @@ __all__ = [
 ]
 
 
+def output_dim(shape: tuple[int, ...] | torch.Size) -> int:
+    """The size of dim 1 of a batched output from a sample's output ``shape`` (batch dim
+    dropped): classes, channels or regression outputs; 1 for one value per sample."""
+    return int(shape[0]) if len(shape) else 1
+
+
 def check_target(
     target: Tensor, out_shape: torch.Size, likelihood: Likelihood, ignore_index: int, i: int
 ) -> Tensor:

@@ -230,11 +230,14 @@ class LinkApprox(_StrEnum):
     * ``mc``: mean of ``softmax`` over ``n_samples`` exact joint samples ``f + J L^{-T} z``.
     * ``bridge``: the Laplace bridge (Hobbhahn et al. 2022) on the per-position ``C x C``
       covariance, with laplace-torch's zero-mean correction.
+    * ``bridge_norm``: ``bridge`` with laplace-torch's variance correction (the logits and
+      variances scaled so the mean marginal variance is ``sqrt(C / 2)``).
     """
 
     PROBIT = "probit"
     MC = "mc"
     BRIDGE = "bridge"
+    BRIDGE_NORM = "bridge_norm"
 
 
 class PriorStructure(_StrEnum):

@@ -53,6 +53,7 @@ from ._likelihood import (
     ggn_factors,
     labels_from_noise,
     nll_sum,
+    output_dim,
 )
 from ._planning import (
     COUNTS,
@@ -122,6 +123,8 @@ class DiagFisherResult:
             summed over the labelled positions (classification) or ``0.5 * sum (f - y)^2 /
             sigma_noise^2`` (regression); ``None`` otherwise.
         num_outputs: Output entries (after ``output_fn``) summed over the samples.
+        output_dim: The size of dim 1 of the output after ``output_fn`` (batch dim first:
+            classes, channels or regression outputs; 1 for one value per sample).
     """
 
     flat: Tensor
@@ -134,6 +137,7 @@ class DiagFisherResult:
     notes: tuple[str, ...] = field(default=())
     loss: float | None = None
     num_outputs: int = 0
+    output_dim: int = 0
 
     def as_dict(self) -> dict[str, Tensor]:
         """Per-tensor diagonals shaped like the selected entries."""
@@ -763,6 +767,7 @@ class _FisherRun:
             tuple(self.notes),
             loss if self.opts.loss else None,
             int(outputs),
+            output_dim(next(iter(self.shapes.values()), ())),
         )
 
     def _final_plan(self) -> dict[str, str]:

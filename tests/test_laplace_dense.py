@@ -56,7 +56,7 @@ def assert_same(a: mj.SubnetLaplace, b: mj.SubnetLaplace) -> None:
     scale = float(b.H.abs().max())
     torch.testing.assert_close(a.H, b.H, atol=1e-10 * max(scale, 1.0), rtol=0)
     assert a.loss == pytest.approx(b.loss, rel=1e-12)
-    assert a.n_outputs == b.n_outputs
+    assert a.n_outputs == b.n_outputs and a._n_entries == b._n_entries
 
 
 class Counter:

@@ -478,8 +478,6 @@ def test_factory_choices_and_errors() -> None:
     la.fit([(torch.zeros(2, 4, dtype=DTYPE), torch.tensor([0, 1]))])
     with pytest.raises(ValueError, match="unknown pred_type 'gp'"):
         la(torch.zeros(2, 4, dtype=DTYPE), pred_type="gp")
-    with pytest.raises(ValueError, match="joint=True"):
-        la(torch.zeros(2, 4, dtype=DTYPE), joint=True)
 
 
 def test_diag_fit_streams_and_keeps_the_model() -> None:

@@ -24,6 +24,7 @@ from .._checks import (
     check_positive_number,
     prepare,
 )
+from .._likelihood import output_dim
 from ..enums import (
     ArgumentTypeError,
     BatchNormPolicy,
@@ -35,11 +36,34 @@ from ..enums import (
     parse_enum,
 )
 from ..subset import ParamSubset
+from ._backends import backend_hessian
 
 if TYPE_CHECKING:
     from .._checks import Prepared
 
 __all__ = ["CurvatureBackend", "LaplaceBase"]
+
+
+#: the keys :meth:`LaplaceBase.load_state_dict` reads
+_STATE_KEYS = (
+    "cls_name",
+    "likelihood",
+    "hessian",
+    "subset_names",
+    "subnetwork_indices",
+    "parameter_shapes",
+    "mean",
+    "H",
+    "loss",
+    "prior_mean",
+    "prior_precision",
+    "sigma_noise",
+    "n_data",
+    "n_outputs",
+    "n_entries",
+    "temperature",
+    "enable_backprop",
+)
 
 
 class CurvatureBackend(NamedTuple):
@@ -59,7 +83,9 @@ class LaplaceBase:
 
     State of a fit: ``H`` (the curvature in the class's layout: ``(P, P)``, ``(P,)``; ``None``
     before :meth:`fit`), ``loss`` (the negative log-likelihood at the MAP, at ``sigma = 1``),
-    ``n_data`` and ``n_outputs`` (regression output entries); ``_scale`` caches the posterior
+    ``n_data``, ``n_outputs`` (laplace-torch's meaning: the size of dim 1 of the model's output
+    after ``output_fn``, i.e. classes or regression outputs; ``None`` before :meth:`fit`) and
+    ``_n_entries`` (regression output entries seen, the marginal likelihood's ``n_out``); ``_scale`` caches the posterior
     form's scale until the curvature or the prior change.
     """
 
@@ -75,17 +101,24 @@ class LaplaceBase:
         sigma_noise: float = 1.0,
         temperature: float = 1.0,
         prior_mean: Any = 0.0,
-        hessian: str | HessianKind = "ggn",
+        hessian: str | HessianKind | None = None,
         output_fn: Callable[[Any], Any] | None = None,
         ignore_index: int = -100,
         input_kind: str | InputKind | None = None,
         chunk_size: int | None = None,
         memory_budget: int | None = None,
         randomness: str | Randomness = "error",
-        batch_norm: str | BatchNormPolicy = "error",
+        batch_norm: str | BatchNormPolicy = "eval",
         strict: bool = False,
         entries: str | Entries = "auto",
+        enable_backprop: bool = False,
+        backend: Any = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        hessian, self._backend_name = backend_hessian(
+            backend, backend_kwargs, asdl_fisher_kwargs, hessian
+        )
         self._prep = prepare(
             model,
             params=subset,
@@ -96,8 +129,9 @@ class LaplaceBase:
             input_kind=input_kind,
         )
         self.model, self.subset, self.output_fn = model, self._prep.subset, output_fn
-        self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
-        self.hessian = parse_enum(HessianKind, hessian, "hessian")
+        self._likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+        self.hessian = parse_enum(HessianKind, "ggn" if hessian is None else hessian, "hessian")
+        self.enable_backprop = check_bool(enable_backprop, "enable_backprop")
         self.ignore_index = check_int(ignore_index, "ignore_index")
         self.chunk_size = check_chunk_size(chunk_size)
         self.memory_budget = check_memory_budget(memory_budget)
@@ -112,11 +146,21 @@ class LaplaceBase:
         self.H: Any = None  # the curvature, in the class's layout
         self.loss = 0.0
         self.n_data = 0
-        self.n_outputs = 0
+        self._n_entries = 0
+        self.n_outputs: int | None = None
         self._fallbacks: list[str] = []
-        self._backend_name: str | None = None  # laplace-torch's backend= through Laplace()
         self._model_kwargs: dict[str, Any] = {}  # la(x, **model_kwargs) while it runs
         self._memo = None
+
+    @property
+    def likelihood(self) -> Likelihood:
+        """``classification`` or ``regression`` (assign a string or the enum)."""
+        return self._likelihood
+
+    @likelihood.setter
+    def likelihood(self, value: str | Likelihood) -> None:
+        self._likelihood = parse_enum(Likelihood, value, "likelihood")
+        self._scale = None
 
     @property
     def sigma_noise(self) -> float | Tensor:
@@ -227,7 +271,105 @@ class LaplaceBase:
             torch.repeat_interleave(t, torch.tensor(sizes, device=t.device))
         )
 
+    @property
+    def n_params_subnet(self) -> int:
+        """laplace-torch's name for :attr:`n_params` of a subnetwork Laplace."""
+        return self.subset.numel
+
+    # ------------------------------------------------------------------ saving
+    def state_dict(self) -> dict[str, Any]:
+        """The fitted posterior as plain values (tensors, numbers, strings, lists: no pickled
+        objects), for ``torch.save``; laplace-torch's keys, plus what identifies the model and
+        the subset (checked by :meth:`load_state_dict`).
+
+        Raises:
+            RuntimeError: not fitted.
+        """
+        h = self._fitted()
+        return {
+            "cls_name": type(self).__name__,
+            "likelihood": self.likelihood.value,
+            "hessian": self.hessian.value,
+            "subset_names": list(self.subset.names),
+            "subnetwork_indices": self.subset.flat_indices(),
+            "parameter_shapes": [[n, list(p.shape)] for n, p in self.model.named_parameters()],
+            "mean": self.mean,
+            "H": self._h_state(h),
+            "loss": self.loss,
+            "prior_mean": self.prior_mean,
+            "prior_precision": self.prior_precision,
+            "sigma_noise": self.sigma_noise,
+            "n_data": self.n_data,
+            "n_outputs": self.n_outputs,
+            "n_entries": self._n_entries,
+            "temperature": self.temperature,
+            "enable_backprop": self.enable_backprop,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a posterior saved by :meth:`state_dict` (tensors go to this posterior's device
+        and dtype). The class, likelihood, curvature (``hessian``), model parameters (names
+        and shapes), subset and MAP (the model's current values of the subset) must be those
+        it was saved with; the prior, noise, temperature and ``enable_backprop`` are taken
+        from it.
+
+        Raises:
+            ValueError: anything of the above that differs, naming it, or a missing key.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(f"state_dict lacks {missing}: not saved by state_dict()")
+        params = [[n, list(p.shape)] for n, p in self.model.named_parameters()]
+        mean = state_dict["mean"].to(self.mean)
+        checks = [
+            ("class", state_dict["cls_name"], type(self).__name__),
+            ("likelihood", state_dict["likelihood"], self.likelihood.value),
+            ("hessian", state_dict["hessian"], self.hessian.value),
+            ("model parameters (names and shapes)", state_dict["parameter_shapes"], params),
+            ("subset", list(state_dict["subset_names"]), list(self.subset.names)),
+        ]
+        for what, saved, here in checks:
+            if saved != here:
+                raise ValueError(f"load_state_dict: different {what}: saved {saved}, here {here}")
+        if not torch.equal(
+            state_dict["subnetwork_indices"].cpu(), self.subset.flat_indices().cpu()
+        ):
+            raise ValueError("load_state_dict: different subset entries (subnetwork_indices)")
+        if not torch.allclose(mean, self.mean):
+            raise ValueError(
+                "load_state_dict: the model's values of the subset differ from the saved MAP "
+                "(load the model's weights first: the predictive runs the model)"
+            )
+        h = self._h_from_state(state_dict["H"])
+        self.prior_mean = self._vector(state_dict["prior_mean"], "prior_mean", positive=False)
+        self.prior_precision = state_dict["prior_precision"]
+        self.temperature = check_positive_number(state_dict["temperature"], "temperature")
+        self.sigma_noise = state_dict["sigma_noise"]
+        self.enable_backprop = check_bool(state_dict["enable_backprop"], "enable_backprop")
+        self.H, self.loss = h, float(state_dict["loss"])
+        self.n_data, self._n_entries = int(state_dict["n_data"]), int(state_dict["n_entries"])
+        self.n_outputs = state_dict["n_outputs"]
+        self._scale = None
+
+    def _h_state(self, h: Any) -> Any:
+        """The curvature as plain values (a tensor here; forms with factors override)."""
+        return h
+
+    def _h_from_state(self, value: Any) -> Any:
+        """:meth:`_h_state`'s inverse, on this posterior's device and dtype, shape checked."""
+        p = self.subset.numel
+        t = torch.as_tensor(value).to(self.mean)
+        if t.shape != (p, p) and t.shape != (p,):
+            raise ValueError(f"load_state_dict: H of shape {tuple(t.shape)} for P={p}")
+        return t
+
     # ------------------------------------------------------------------ state
+    def _seen_output(self, shape: Sequence[int]) -> None:
+        """Record ``n_outputs`` from a sample's output shape ``(C, *spatial)`` or ``(O,)``."""
+        self.n_outputs = output_dim(tuple(shape))
+
     def _fitted(self) -> Tensor:
         if self.H is None:
             raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(data) first")

@@ -208,6 +208,9 @@ class JacobianStream(LaplaceBase):
         a chunk of samples (or, for one sample above the budget, of its output positions) at a
         time. In a fit (``fit``), a sample above the budget or subsampled comes as one block
         carrying its curvature (:meth:`_curvature`): the model is not re-run per slice."""
+        if fit is None and self.enable_backprop:
+            yield from self._differentiable(packed)
+            return
         fn = self._function(packed)
         values = fn.values()
         n = packed.num_samples
@@ -257,6 +260,24 @@ class JacobianStream(LaplaceBase):
                     out = self._rows(res.outputs[k, :o], shapes[i])
                     yield Block(i, out, res.jacobian[k, :o], (0, out.shape[-1]), shapes[i])
             start = stop
+
+    def _differentiable(self, packed: PackedBatch) -> Iterator[Block]:
+        """``enable_backprop``: every sample's outputs and Jacobian rows by ``torch.func.jacrev``
+        (one sample at a time), keeping the graph to inputs that require grad (the engine
+        runs without one)."""
+        fn = self._function(packed)
+        theta = self.mean
+        for i in range(packed.num_samples):
+            levels = tuple(packed.sample(i))
+
+            def out(t: Tensor, levels: tuple[Tensor, ...] = levels) -> Tensor:
+                return fn.call(fn.full_params(tuple(self.subset.split(t).values())), levels)
+
+            with torch.enable_grad():
+                jac, flat = torch.func.jacrev(out, has_aux=False)(theta), out(theta)
+            shape = fn.output_fn.last.shape[1:]  # type: ignore[union-attr]
+            rows = self._rows(flat, shape)
+            yield Block(i, rows, jac, (0, rows.shape[-1]), shape)
 
     def _rows(self, flat: Tensor, shape: torch.Size) -> Tensor:
         """A sample's flat outputs as block rows: ``(C, positions)`` or ``(entries,)``."""
@@ -360,10 +381,10 @@ class SubsetCurvature(JacobianStream):
         reducer = Reducer(process_group)
         p = self.subset.numel
         previous = None if override or self.H is None else self.H
-        stats = (0.0, 0, 0) if previous is None else (self.loss, self.n_data, self.n_outputs)
+        stats = (0.0, 0, 0) if previous is None else (self.loss, self.n_data, self._n_entries)
         # this rank's shard from zero, summed over the ranks at the end
         self.H = self.mean.new_zeros(p, p)
-        self.loss, self.n_outputs = 0.0, 0
+        self.loss, self._n_entries = 0.0, 0
         seen = 0
         for batch in with_progress(reducer.shard(data), progress, f"{type(self).__name__}.fit"):
             inputs, targets = pair(batch)
@@ -374,6 +395,7 @@ class SubsetCurvature(JacobianStream):
                 per_sample, seen, self.likelihood, self.ignore_index, sampling, self._curvature
             )
             for block in self._jacobians(packed, spec):
+                self._seen_output(block.shape)
                 g = self._accumulate(block, spec.target(block.i, block.shape))
                 if g is None:
                     continue
@@ -386,7 +408,7 @@ class SubsetCurvature(JacobianStream):
             seen += packed.num_samples
         reducer.sum_([self.H])
         loss, seen_f, n_out = reducer.sum_numbers(
-            [self.loss, float(seen), float(self.n_outputs)], self.H
+            [self.loss, float(seen), float(self._n_entries)], self.H
         )
         if seen_f == 0:
             self.H = previous
@@ -395,7 +417,7 @@ class SubsetCurvature(JacobianStream):
             self.H += previous
         self.loss = stats[0] + loss
         self.n_data = stats[1] + int(seen_f)
-        self.n_outputs = stats[2] + int(n_out)
+        self._n_entries = stats[2] + int(n_out)
         self._scale = None
         self._warn_fallbacks()
         return self
@@ -411,7 +433,7 @@ class SubsetCurvature(JacobianStream):
         valid = None if regression else y != self.ignore_index
         rows = out.reshape(1, -1) if regression else out.unsqueeze(0)
         self.loss += float(nll_sum(rows, y.unsqueeze(0), self.likelihood, 1.0, self.ignore_index))
-        self.n_outputs += out.numel() if regression else 0
+        self._n_entries += out.numel() if regression else 0
         if block.ggn is not None:  # a whole sample's curvature (or gradient), computed already
             if block.ggn.dim() == 1:
                 return block.ggn
@@ -582,11 +604,12 @@ class DiagCurvature(LaplaceBase):
         loss = float(res.loss)  # type: ignore[arg-type]
         n_out = res.num_outputs if self.likelihood is Likelihood.REGRESSION else 0
         if override or self.H is None:
-            self.H, self.loss, self.n_data, self.n_outputs = h, loss, 0, 0
+            self.H, self.loss, self.n_data, self._n_entries = h, loss, 0, 0
         else:
             self.H, self.loss = self.H + h, self.loss + loss
         self.n_data += res.num_samples
-        self.n_outputs += int(n_out)
+        self._n_entries += int(n_out)
+        self.n_outputs = res.output_dim
         self._scale = None
         return self
 

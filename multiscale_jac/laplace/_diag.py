@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from ..enums import (
-    BatchNormPolicy,
-    Entries,
     FisherMethod,
-    HessianKind,
-    InputKind,
     Likelihood,
-    Randomness,
     parse_enum,
 )
 from ..subset import ParamSubset
@@ -45,24 +40,12 @@ class DiagLaplace(DiagCurvature, Predictive, MarginalLikelihood):
         likelihood: ``classification`` or ``regression``.
         subset: The entries the posterior is over (a :class:`ParamSubset`, a name/glob or a
             list of them); default: every parameter that requires grad.
-        prior_precision: A number, a ``(P,)`` diagonal or one value per selected tensor.
-        sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
-        temperature: ``T``; the curvature is divided by it.
-        prior_mean: A number or a ``(P,)`` vector.
-        hessian: ``ggn`` (default; one backward pass per class, or per regression output, of
-            a chunk) or ``empirical`` (one backward pass per chunk).
-        output_fn: Applied to the model's output (batch dim of one kept).
-        ignore_index: Label of positions left out of dense classification.
-        input_kind: How to read inputs where it is ambiguous (:func:`~multiscale_jac.pack`).
-        chunk_size: Samples per batched run (fit) and per engine call (predictive).
-        memory_budget: Bytes of the working set of :meth:`fit` (see
-            :func:`~multiscale_jac.diag_fisher`) and of :meth:`predictive`.
-        randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``.
-        batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
-        strict: Raise instead of falling back.
-        entries: How the predictive's engine forms single-entry columns.
         method: How :func:`~multiscale_jac.diag_fisher` computes ``h`` (``auto``,
             ``layerwise`` or ``vmap``).
+        **options: :class:`SubnetLaplace`'s keyword arguments, with its meaning
+            (``chunk_size``: samples per batched run of the fit and per engine call of the
+            predictive; ``memory_budget``: bytes of the working set of :meth:`fit`, see
+            :func:`~multiscale_jac.diag_fisher`, and of :meth:`predictive`).
 
     Raises:
         TypeError, ValueError: bad arguments (the message names the value).
@@ -76,43 +59,12 @@ class DiagLaplace(DiagCurvature, Predictive, MarginalLikelihood):
         likelihood: str | Likelihood,
         subset: ParamSubset | str | Sequence[str] | None = None,
         *,
-        prior_precision: Any = 1.0,
-        sigma_noise: float = 1.0,
-        temperature: float = 1.0,
-        prior_mean: Any = 0.0,
-        hessian: str | HessianKind = "ggn",
-        output_fn: Callable[[Any], Any] | None = None,
-        ignore_index: int = -100,
-        input_kind: str | InputKind | None = None,
-        chunk_size: int | None = None,
-        memory_budget: int | None = None,
-        randomness: str | Randomness = "error",
-        batch_norm: str | BatchNormPolicy = "error",
-        strict: bool = False,
-        entries: str | Entries = "auto",
         method: str | FisherMethod = "auto",
+        **options: Any,
     ) -> None:
         if subset is None and isinstance(model, nn.Module):
             subset = ParamSubset.all(model, trainable_only=True)
-        super().__init__(
-            model,
-            likelihood,
-            subset,  # type: ignore[arg-type]
-            prior_precision=prior_precision,
-            sigma_noise=sigma_noise,
-            temperature=temperature,
-            prior_mean=prior_mean,
-            hessian=hessian,
-            output_fn=output_fn,
-            ignore_index=ignore_index,
-            input_kind=input_kind,
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
-            randomness=randomness,
-            batch_norm=batch_norm,
-            strict=strict,
-            entries=entries,
-        )
+        super().__init__(model, likelihood, subset, **options)  # type: ignore[arg-type]
         self._fisher_options = {
             **self._batched_options(),
             "strict": self.strict,

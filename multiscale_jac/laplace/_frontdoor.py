@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..enums import HessianKind, HessianStructure, Likelihood, SubsetOfWeights, parse_enum
+from ..enums import HessianStructure, Likelihood, SubsetOfWeights, parse_enum
 from ..subset import ParamSubset
 from ._diag import DiagLaplace
 from ._kronlaplace import KronLaplace
@@ -18,7 +18,6 @@ __all__ = ["Laplace"]
 
 #: laplace-torch options with no counterpart here, and what to do instead
 _FOREIGN_OPTIONS = {
-    "enable_backprop": "the predictive is not differentiable w.r.t. the inputs here",
     "dict_key_x": "pass the inputs in any form multiscale_jac.pack accepts",
     "dict_key_y": "pass (inputs, targets) pairs",
 }
@@ -83,7 +82,6 @@ def Laplace(  # laplace-torch's name
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
     which = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
     structure = _hessian_structure(hessian_structure)
-    library_options, backend_name = _backend_options(library_options)
     last_name, library_options = _last_layer_options(library_options, which)
     if last_name is not None:
         subset = _named_last_layer(model, last_name)
@@ -109,7 +107,6 @@ def Laplace(  # laplace-torch's name
         temperature=temperature,
         **library_options,
     )
-    la._backend_name = backend_name
     return la
 
 
@@ -205,61 +202,6 @@ def _named_last_layer(model: nn.Module, name: str) -> ParamSubset:
     if not owned:
         raise ValueError(f"last_layer_name {name!r} has no parameters that require grad")
     return ParamSubset.from_names(model, owned)
-
-
-#: laplace-torch's curvature backends by name: what each means here (docs/laplace.md)
-BACKENDS = {
-    **dict.fromkeys(["BackPackGGN", "CurvlinopsGGN", "AsdlGGN", "AsdfghjklGGN"], HessianKind.GGN),
-    **dict.fromkeys(["BackPackEF", "CurvlinopsEF", "AsdlEF", "AsdfghjklEF"], HessianKind.EMPIRICAL),
-}
-_HESSIAN_BACKENDS = ("CurvlinopsHessian", "AsdlHessian", "AsdfghjklHessian")
-
-
-def _backend_options(options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-    """laplace-torch's ``backend=`` (a class or its name), ``backend_kwargs`` and
-    ``asdl_fisher_kwargs`` as this library's options (``hessian=``), and the backend's name;
-    what has no meaning here is refused, naming it."""
-    options = dict(options)
-    backend = options.pop("backend", None)
-    backend_kwargs = options.pop("backend_kwargs", None) or {}
-    fisher_kwargs = options.pop("asdl_fisher_kwargs", None) or {}
-    if fisher_kwargs:
-        raise ValueError(
-            f"asdl_fisher_kwargs={fisher_kwargs!r}: ASDL's Fisher options have no counterpart "
-            "(the curvature is this library's exact GGN or empirical Fisher)"
-        )
-    if not isinstance(backend_kwargs, dict):
-        raise TypeError(f"backend_kwargs must be a dict; got {type(backend_kwargs).__name__}")
-    if backend is None:
-        if backend_kwargs:
-            raise ValueError(f"backend_kwargs={backend_kwargs!r} given without a backend")
-        return options, None
-    name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
-    if name in _HESSIAN_BACKENDS:
-        raise ValueError(
-            f"backend={name}: the exact Hessian has no counterpart here; use a GGN backend "
-            "(the generalised Gauss-Newton) or an EF backend (the empirical Fisher)"
-        )
-    if name not in BACKENDS:
-        raise ValueError(
-            f"unknown backend {name!r}; laplace-torch's GGN backends ({', '.join(k for k, v in BACKENDS.items() if v is HessianKind.GGN)}) "
-            "and empirical-Fisher backends "
-            f"({', '.join(k for k, v in BACKENDS.items() if v is HessianKind.EMPIRICAL)}) are accepted"
-        )
-    unknown = {k: v for k, v in backend_kwargs.items() if not (k == "stochastic" and v is False)}
-    if unknown:
-        raise ValueError(
-            f"backend_kwargs={unknown!r} of {name}: only stochastic=False (the exact GGN) has a "
-            "counterpart here"
-        )
-    hessian = BACKENDS[name]
-    given = options.get("hessian")
-    if given is not None and parse_enum(HessianKind, given, "hessian") is not hessian:
-        raise ValueError(
-            f"backend={name} means hessian={hessian.value!r}, but hessian={given!r} was given"
-        )
-    options["hessian"] = hessian
-    return options, name
 
 
 def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -> ParamSubset:

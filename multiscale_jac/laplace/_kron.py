@@ -99,6 +99,12 @@ class KronCurvatureFactors:
     def to_matrix(self) -> Tensor:
         return torch.block_diag(*[b.dense() for b in self.blocks])
 
+    def clone(self) -> KronCurvatureFactors:
+        """A copy with cloned factors."""
+        return KronCurvatureFactors(
+            [KronBlock(b.name, [f.clone() for f in b.factors]) for b in self.blocks]
+        )
+
     def scaled(self, weight_scale: float) -> KronCurvatureFactors:
         """The blocks with the last factor of every two-factor block times ``weight_scale``
         (laplace-torch's rescaling of ``A`` when fits are combined)."""
@@ -133,6 +139,10 @@ class KronPrecision:
 
     def __init__(self, h: KronCurvatureFactors, factor: Tensor | float, deltas: Sequence[Any]):
         self.h, self.factor, self.deltas = h, factor, list(deltas)
+
+    def clone(self) -> KronPrecision:
+        """A copy over cloned factors."""
+        return KronPrecision(self.h.clone(), self.factor, self.deltas)
 
     @property
     def eigenvalues(self) -> list[Tensor]:

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from .._checks import check_bool
 from .._kfac import KronResult, kron_factors
-from ..enums import BatchNormPolicy, Entries, HessianKind, InputKind, Likelihood, Randomness
+from ..enums import HessianKind, Likelihood
 from ..subset import ParamSubset
 from ._base import LaplaceBase
 from ._kron import KronBlock, KronCurvatureFactors, KronForm
@@ -67,13 +67,14 @@ class KronCurvature(LaplaceBase):
         n_new = res.num_data
         n_out = _regression_outputs(res, self.likelihood)
         if override or self.H is None:
-            self.H, self.loss, self.n_data, self.n_outputs = h, 0.0, 0, 0
+            self.H, self.loss, self.n_data, self._n_entries = h, 0.0, 0, 0
         else:
             total = self.n_data + n_new
             self.H = self.H.scaled(self.n_data / total) + h.scaled(n_new / total)
         self.loss += float(res.loss)
         self.n_data += n_new
-        self.n_outputs += n_out
+        self._n_entries += n_out
+        self.n_outputs = res.output_dim
         self._scale = None
         return self
 
@@ -113,21 +114,10 @@ class KronLaplace(KronCurvature, Predictive, MarginalLikelihood):
         subset: Whole weights and biases of ``nn.Linear``/``nn.Conv1d/2d/3d`` layers (a
             :class:`ParamSubset`, a name/glob or a list); default: every parameter that
             requires grad (a model with other parameters needs a subset).
-        prior_precision: A number or one value per selected tensor.
-        sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
-        temperature: ``T``; the curvature is divided by it.
-        prior_mean: A number or a ``(P,)`` vector.
-        hessian: ``ggn`` (default) or ``empirical``.
-        output_fn: Applied to the model's output (batch dim of one kept).
-        ignore_index: Label of positions left out of dense classification.
-        input_kind: How to read inputs where it is ambiguous (:func:`~multiscale_jac.pack`).
-        chunk_size: Samples per batched run (fit) and per engine call (predictive).
-        memory_budget: Bytes of the working set of :meth:`fit` (the factors included) and of
-            :meth:`predictive`.
-        randomness: ``error`` or ``different`` (``same`` is refused by the fit's batched runs).
-        batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
-        strict: Raise instead of letting the predictive's engine fall back.
-        entries: How the predictive's engine forms single-entry columns.
+        **options: :class:`SubnetLaplace`'s keyword arguments, with its meaning, except:
+            ``prior_precision`` is a number or one value per selected tensor;
+            ``memory_budget`` bounds the working set of :meth:`fit` (the factors included) and
+            of :meth:`predictive`; ``randomness="same"`` is refused by the fit's batched runs.
 
     Raises:
         TypeError, ValueError: bad arguments (the message names the value), a selected
@@ -141,43 +131,11 @@ class KronLaplace(KronCurvature, Predictive, MarginalLikelihood):
         model: nn.Module,
         likelihood: str | Likelihood,
         subset: ParamSubset | str | Sequence[str] | None = None,
-        *,
-        prior_precision: Any = 1.0,
-        sigma_noise: float = 1.0,
-        temperature: float = 1.0,
-        prior_mean: Any = 0.0,
-        hessian: str | HessianKind = "ggn",
-        output_fn: Callable[[Any], Any] | None = None,
-        ignore_index: int = -100,
-        input_kind: str | InputKind | None = None,
-        chunk_size: int | None = None,
-        memory_budget: int | None = None,
-        randomness: str | Randomness = "error",
-        batch_norm: str | BatchNormPolicy = "error",
-        strict: bool = False,
-        entries: str | Entries = "auto",
+        **options: Any,
     ) -> None:
         if subset is None and isinstance(model, nn.Module):
             subset = ParamSubset.all(model, trainable_only=True)
-        super().__init__(
-            model,
-            likelihood,
-            subset,  # type: ignore[arg-type]
-            prior_precision=prior_precision,
-            sigma_noise=sigma_noise,
-            temperature=temperature,
-            prior_mean=prior_mean,
-            hessian=hessian,
-            output_fn=output_fn,
-            ignore_index=ignore_index,
-            input_kind=input_kind,
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
-            randomness=randomness,
-            batch_norm=batch_norm,
-            strict=strict,
-            entries=entries,
-        )
+        super().__init__(model, likelihood, subset, **options)  # type: ignore[arg-type]
         if not self.subset.all_whole or self.subset.columns is not None:
             raise ValueError(
                 "KronLaplace covers whole tensors laid out one after the other (Kronecker "
@@ -186,6 +144,27 @@ class KronLaplace(KronCurvature, Predictive, MarginalLikelihood):
             )
         self._per_tensor(self._prior_precision)
         self._kron_options = self._batched_options()
+
+    @property
+    def H_facs(self) -> KronCurvatureFactors | None:
+        """laplace-torch's name for the factors ``H`` (``None`` before :meth:`fit`)."""
+        return self.H
+
+    def _h_state(self, h: KronCurvatureFactors) -> list[list[Tensor]]:
+        return [list(b.factors) for b in h.blocks]
+
+    def _h_from_state(self, value: Any) -> KronCurvatureFactors:
+        order = sorted(self.subset.offsets, key=lambda n: self.subset.offsets[n][0])
+        if not isinstance(value, (list, tuple)) or len(value) != len(order):
+            raise ValueError(
+                f"load_state_dict: H must hold one factor list per selected tensor ({len(order)})"
+            )
+        blocks = [KronBlock(n, [f.to(self.mean) for f in fs]) for n, fs in zip(order, value)]
+        for b in blocks:
+            a, z = self.subset.offsets[b.name]
+            if b.numel != z - a:
+                raise ValueError(f"load_state_dict: factors of {b.name!r} do not match its size")
+        return KronCurvatureFactors(blocks)
 
     @property
     def prior_precision(self) -> Tensor:

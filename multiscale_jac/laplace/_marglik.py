@@ -37,7 +37,7 @@ class MarginalLikelihood(Posterior):
         sigma_t = torch.as_tensor(sigma, dtype=self.mean.dtype, device=self.mean.device)
         ll = -self.loss / (sigma_t**2 * self.temperature)
         if self.likelihood is Likelihood.REGRESSION:
-            ll = ll - self.n_outputs * torch.log(sigma_t * math.sqrt(2 * math.pi))
+            ll = ll - self._n_entries * torch.log(sigma_t * math.sqrt(2 * math.pi))
         return ll
 
     def log_marginal_likelihood(

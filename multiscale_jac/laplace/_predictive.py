@@ -83,8 +83,11 @@ class Predictive(Posterior, JacobianStream):
             pred_type: ``glm`` (linearised) or ``nn`` (the model run with posterior samples;
                 it needs ``link_approx="mc"``, as laplace-torch: the others approximate the GLM's
                 link).
-            joint: Must be ``False`` (a covariance across samples is not formed).
-            link_approx: ``probit``, ``mc`` or ``bridge`` (classification).
+            joint: Regression ``glm``: the joint predictive over the batch, ``(f_mu, f_cov)``
+                with ``f_mu`` ``(N O,)`` and ``f_cov`` ``(N O, N O)`` (sample-major; it holds
+                the whitened Jacobian rows of the whole batch, ``P x N O``); ignored for
+                classification and ``pred_type="nn"``, as laplace-torch.
+            link_approx: ``probit``, ``mc``, ``bridge`` or ``bridge_norm`` (classification).
             n_samples: Samples for ``mc`` and ``nn``.
             diagonal_output: Regression ``glm``: the marginal variances ``(N, O)`` instead of
                 the covariance.
@@ -105,19 +108,34 @@ class Predictive(Posterior, JacobianStream):
         link = parse_enum(LinkApprox, link_approx, "link_approx")
         n_samples = check_positive_int(n_samples, "n_samples")
         diagonal_output = check_bool(diagonal_output, "diagonal_output")
-        if check_bool(joint, "joint"):
-            raise ValueError(
-                "joint=True (one covariance across the samples of the batch) is not supported; "
-                "use functional_samples for joint draws"
-            )
+        joint = check_bool(joint, "joint")
         if pred is PredType.NN and link is not LinkApprox.MC:
             raise ValueError(f"pred_type='nn' supports only link_approx='mc'; got {link.value!r}")
         kwargs = check_model_kwargs(model_kwargs)
         self._model_kwargs = kwargs
         try:
+            if joint and pred is PredType.GLM and self.likelihood is Likelihood.REGRESSION:
+                return self._joint(x)
             return self._call(x, pred, link, n_samples, diagonal_output, generator)
         finally:
             self._model_kwargs = {}
+
+    def _joint(self, inputs: Any) -> tuple[Tensor, Tensor]:
+        """Regression's joint GLM predictive over the batch: the mean ``(N O,)`` and the
+        covariance ``(N O, N O)`` across samples and outputs (sample-major), from the whitened
+        Jacobian rows of the whole batch (``P x N O`` held at once)."""
+        self._fitted()
+        packed = self._prep.pack(inputs)
+        means: list[Tensor] = []
+        rows: list[Tensor] = []
+        for block in self._blocks(inputs, packed):
+            if block.jac is None:  # pragma: no cover - predictive blocks always carry rows
+                raise RuntimeError("internal error: a predictive block without Jacobian rows")
+            means.append(block.out.reshape(-1))
+            rows.append(self._whiten(block.jac))  # (P, rows)
+        v = torch.cat(rows, dim=1)
+        self._warn_fallbacks()
+        return torch.cat(means), v.T @ v
 
     def _call(
         self,
@@ -275,10 +293,10 @@ class Predictive(Posterior, JacobianStream):
         if link is LinkApprox.PROBIT:
             kappa = torch.rsqrt(1 + math.pi / 8 * var.view(c, -1))
             return torch.softmax(kappa * logits, dim=0)
-        if link is LinkApprox.BRIDGE:
+        if link in (LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM):
             vc = v.view(-1, c, logits.shape[1])  # (P, C, m)
             cov = torch.einsum("pcm,pdm->mcd", vc, vc)
-            return _bridge(logits.T, cov).T
+            return _bridge(logits.T, cov, normalised=link is LinkApprox.BRIDGE_NORM).T
         z = torch.randn(n_samples, v.shape[0], generator=generator, dtype=v.dtype).to(v.device)
         eps = self._draw(z.T)  # (P, S)
         fs = logits.reshape(1, -1) + (jac @ eps).T  # (S, rows)
@@ -287,21 +305,24 @@ class Predictive(Posterior, JacobianStream):
     def functional_samples(
         self,
         inputs: Any,
-        n_samples: int,
+        n_samples: int = 100,
         *,
-        linearized: bool = True,
+        linearized: bool | None = None,
+        pred_type: str | PredType | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor | list[Tensor]:
         """``n_samples`` output samples per input: ``(n_samples, N, *out)`` (a list of
         ``(n_samples, *out)`` for ragged outputs).
 
         Args:
-            linearized: ``f + J (theta_s - theta_MAP)`` (the GLM predictive); ``False`` runs the
-                model with the sampled entries in place (a functional call; the model itself is
-                not changed).
+            linearized: ``f + J (theta_s - theta_MAP)`` (the GLM predictive; the default);
+                ``False`` runs the model with the sampled entries in place (a functional call;
+                the model itself is not changed).
+            pred_type: laplace-torch's name for the same choice: ``glm`` (linearised) or
+                ``nn``; given with ``linearized``, the two must agree.
         """
         n_samples = check_positive_int(n_samples, "n_samples")
-        linearized = check_bool(linearized, "linearized")
+        linearized = _linearized(linearized, pred_type)
         thetas = self.sample(n_samples, generator=generator)  # (S, P)
         packed = self._prep.pack(inputs)
         n = packed.num_samples
@@ -318,7 +339,7 @@ class Predictive(Posterior, JacobianStream):
             out = [_join(p, s, cls, lead=n_samples) for p, s in zip(parts, shapes)]
         else:
             fn = self._function(packed)
-            with torch.no_grad():
+            with torch.set_grad_enabled(self.enable_backprop):
                 for i in range(n):
                     levels = tuple(packed.sample(i))
                     rows = [
@@ -328,6 +349,20 @@ class Predictive(Posterior, JacobianStream):
                     out.append(torch.stack(rows))
         self._warn_fallbacks()
         return _stack_or_list(out, dim=1)
+
+
+def _linearized(linearized: bool | None, pred_type: str | PredType | None) -> bool:
+    """``functional_samples``'s choice from ``linearized`` and laplace-torch's ``pred_type``."""
+    lin = None if linearized is None else check_bool(linearized, "linearized")
+    if pred_type is None:
+        return True if lin is None else lin
+    by_type = parse_enum(PredType, pred_type, "pred_type") is PredType.GLM
+    if lin is not None and lin != by_type:
+        raise ValueError(
+            f"linearized={lin} and pred_type={pred_type!r} disagree (pred_type 'glm' is "
+            "linearized=True, 'nn' linearized=False); give one of them"
+        )
+    return by_type
 
 
 def _join(
@@ -350,13 +385,17 @@ def _stack_or_list(parts: list[Tensor], dim: int = 0) -> Tensor | list[Tensor]:
     return parts
 
 
-def _bridge(mean: Tensor, cov: Tensor) -> Tensor:
-    """Laplace bridge: ``mean`` ``(m, C)``, ``cov`` ``(m, C, C)`` -> probabilities ``(m, C)``."""
+def _bridge(mean: Tensor, cov: Tensor, normalised: bool = False) -> Tensor:
+    """Laplace bridge: ``mean`` ``(m, C)``, ``cov`` ``(m, C, C)`` -> probabilities ``(m, C)``;
+    ``normalised``: laplace-torch's ``bridge_norm`` variance correction."""
     k = mean.shape[-1]
     total = cov.sum(dim=(1, 2)).unsqueeze(-1)
     mean = mean - cov.sum(-1) * mean.sum(-1, keepdim=True) / total
     cov = cov - torch.einsum("bi,bj->bij", cov.sum(-1), cov.sum(-2)) / total.unsqueeze(-1)
     var = torch.diagonal(cov, dim1=1, dim2=2)
+    if normalised:
+        scale = var.mean(dim=1, keepdim=True) / math.sqrt(k / 2)
+        mean, var = mean / scale.sqrt(), var / scale
     sum_exp = torch.exp(-mean).sum(dim=1, keepdim=True)
     alpha = (1 - 2 / k + mean.exp() / k**2 * sum_exp) / var
     return torch.nan_to_num(alpha / alpha.sum(dim=1, keepdim=True), nan=1.0)

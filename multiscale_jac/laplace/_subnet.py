@@ -23,7 +23,7 @@ class SubnetLaplace(SubsetCurvature, Predictive, MarginalLikelihood):
         sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
         temperature: ``T``; the curvature is divided by it.
         prior_mean: A number or a ``(P,)`` vector.
-        hessian: ``ggn`` (default) or ``empirical``.
+        hessian: ``ggn`` (default; also where ``backend`` says) or ``empirical``.
         output_fn: Applied to the model's output (batch dim of one kept).
         ignore_index: Label of positions left out of dense classification.
         input_kind: How to read inputs where it is ambiguous (:func:`~multiscale_jac.pack`).
@@ -34,10 +34,24 @@ class SubnetLaplace(SubsetCurvature, Predictive, MarginalLikelihood):
             32 MiB of Jacobian rows at a time and the engine's default working set.
         randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``; the
             outputs and Jacobians of a sample come from one pass (one set of masks).
-        batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
+        batch_norm: BatchNorm layers in train mode: ``"eval"`` (the default here, as
+            laplace-torch, which fits in eval mode: they run on their running statistics
+            while this posterior runs the model; the model's own mode is never changed) or
+            ``"error"``. A posterior is over one function at the MAP, so batch statistics,
+            which make a sample's output depend on its batch, are not used.
         strict: Raise instead of letting the engine fall back to another strategy.
         entries: How the engine forms single-entry columns (``auto``, ``structured`` or
             ``generic``; see :func:`~multiscale_jac.per_sample_jacobian`).
+        enable_backprop: The predictive (``la(x)``, :meth:`predictive`,
+            :meth:`functional_samples`) keeps its graph to inputs that require grad, so its
+            mean and variance can be differentiated w.r.t. them (laplace-torch's option; its
+            Jacobian rows then come from ``torch.func.jacrev`` per sample, not the engine).
+        backend: laplace-torch's curvature backend (a class, a subclass of one, or its name):
+            a GGN backend means ``hessian="ggn"``, an empirical-Fisher one
+            ``hessian="empirical"``; the curvature is always this library's (docs/laplace.md
+            "From laplace-torch").
+        backend_kwargs: With ``backend``: empty or ``{"stochastic": False}``.
+        asdl_fisher_kwargs: Empty (ASDL's options have no counterpart).
 
     The options shared with the other entry points mean the same everywhere (the options table
     in ``docs/design.md``); the subset is called ``subset`` here, as in laplace-torch.

@@ -1,0 +1,261 @@
+"""laplace-torch's options with its meaning, on every Laplace class: ``backend=``,
+``enable_backprop``, ``joint``, ``n_outputs``, ``state_dict``, ``bridge_norm``,
+``functional_samples(pred_type=)``, BatchNorm in train mode and ``likelihood`` assigned by name;
+values against dense float64 references written out here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_laplace_torch_usage import DTYPE, TOL, jacobians, mlp
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import multiscale_jac as mj
+from multiscale_jac.laplace import Laplace
+
+STRUCTURES = ["full", "kron", "diag"]
+
+
+def regression_data(n: int = 7, outputs: int = 2, seed: int = 3) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g, dtype=DTYPE)
+    y = torch.randn(n, outputs, generator=g, dtype=DTYPE)
+    return DataLoader(TensorDataset(x, y), batch_size=3)
+
+
+def fitted(structure: str, *, seed: int = 0, **kwargs: object):
+    model = mlp(2, seed=seed)
+    la = Laplace(model, "regression", "all", structure, sigma_noise=0.7, **kwargs)
+    return la.fit(regression_data())
+
+
+def covariance(la) -> torch.Tensor:
+    """``Sigma`` ``(P, P)`` of any of the three classes, densely."""
+    if isinstance(la, mj.KronLaplace):
+        return la.posterior_precision.to_matrix(exponent=-1)
+    if isinstance(la, mj.DiagLaplace):
+        return torch.diag(la.posterior_variance)
+    return la.posterior_covariance
+
+
+# ---------------------------------------------------------------------- backend=
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_backend_is_accepted_by_every_class_with_its_meaning(structure: str) -> None:
+    cls = {"full": mj.SubnetLaplace, "kron": mj.KronLaplace, "diag": mj.DiagLaplace}[structure]
+    model = mlp(2)
+    subset = mj.ParamSubset.all(model)
+
+    class MyEF:  # a user's subclass of laplace-torch's backend: its MRO names the kind
+        pass
+
+    ef_sub = type("MyCurvlinopsEF", (type("CurvlinopsEF", (MyEF,), {}),), {})
+    for backend, kind in [
+        ("CurvlinopsGGN", "ggn"),
+        ("GGNInterface", "ggn"),
+        ("BackPackEF", "empirical"),
+        (ef_sub, "empirical"),
+    ]:
+        la = cls(model, "regression", subset, backend=backend, backend_kwargs={})
+        assert la.hessian.value == kind, backend
+        assert la.backend.name == getattr(backend, "__name__", backend)
+    ef = cls(model, "regression", subset, backend="AsdlEF").fit(regression_data())
+    ref = cls(model, "regression", subset, hessian="empirical").fit(regression_data())
+    h = ef.H.to_matrix() if structure == "kron" else ef.H
+    h_ref = ref.H.to_matrix() if structure == "kron" else ref.H
+    torch.testing.assert_close(h, h_ref, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="means hessian='ggn', but hessian='empirical'"):
+        cls(model, "regression", subset, backend="BackPackGGN", hessian="empirical")
+    with pytest.raises(ValueError, match="only stochastic=False"):
+        cls(model, "regression", subset, backend="BackPackGGN", backend_kwargs={"x": 1})
+    with pytest.raises(ValueError, match="exact Hessian has no counterpart"):
+        cls(model, "regression", subset, backend="CurvlinopsHessian")
+    with pytest.raises(TypeError, match="backend must be a backend class or its name"):
+        cls(model, "regression", subset, backend=3)
+
+
+# ---------------------------------------------------------------------- enable_backprop
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_enable_backprop_differentiates_the_predictive_wrt_the_inputs(structure: str) -> None:
+    la = fitted(structure, enable_backprop=True)
+    plain = fitted(structure)
+    sigma = covariance(la)
+    x = torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(9))
+
+    def reference(xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        outs, jacs = jacobians(la.model, [xi[None] for xi in xs])
+        var = torch.stack([torch.diagonal(j @ sigma @ j.T) for j in jacs])
+        return torch.stack(outs), var
+
+    xg = x.clone().requires_grad_(True)
+    mean, cov = la(xg)
+    torch.testing.assert_close(cov, plain(x)[1], atol=TOL, rtol=0)
+    var = torch.diagonal(cov, dim1=1, dim2=2)
+    grad = torch.autograd.grad(var.sum() + mean.sum(), xg)[0]
+    # central differences of the dense reference
+    eps, fd = 1e-6, torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        for k in range(x.shape[1]):
+            d = torch.zeros_like(x)
+            d[i, k] = eps
+            (mp, vp), (mm, vm) = reference(x + d), reference(x - d)
+            fd[i, k] = ((mp.sum() + vp.sum()) - (mm.sum() + vm.sum())) / (2 * eps)
+    torch.testing.assert_close(grad, fd, atol=1e-6, rtol=1e-6)
+    nn_mean, nn_var = la(xg, pred_type="nn", link_approx="mc", n_samples=4)
+    assert torch.autograd.grad(nn_var.sum() + nn_mean.sum(), xg)[0].abs().sum() > 0
+    assert not plain(xg)[1].requires_grad  # without the option nothing is kept
+
+
+# ---------------------------------------------------------------------- joint
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_joint_predictive_covariance_across_samples(structure: str) -> None:
+    la = fitted(structure)
+    x = torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(4))
+    outs, jacs = jacobians(la.model, [xi[None] for xi in x])
+    j = torch.cat(jacs)  # (N O, P), sample-major
+    mean, cov = la(x, joint=True)
+    torch.testing.assert_close(mean, torch.cat(outs), atol=TOL, rtol=0)
+    torch.testing.assert_close(cov, j @ covariance(la) @ j.T, atol=TOL, rtol=0)
+    cls = Laplace(mlp(3), "classification", "all", structure)
+    cls.fit([(x, torch.tensor([0, 2, 1]))])
+    torch.testing.assert_close(cls(x, joint=True), cls(x), atol=0, rtol=0)  # ignored, as there
+
+
+# ---------------------------------------------------------------------- n_outputs
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_n_outputs_is_the_output_dim(structure: str) -> None:
+    model = mlp(2)
+    la = Laplace(model, "regression", "all", structure)
+    assert la.n_outputs is None
+    la.fit(regression_data(n=5))
+    assert la.n_outputs == 2 and la.n_data == 5
+    assert la._n_entries == 10  # the marginal likelihood's constant counts every entry
+    clf = Laplace(mlp(3), "classification", "all", structure)
+    clf.fit([(torch.zeros(2, 4, dtype=DTYPE), torch.tensor([0, 2]))])
+    assert clf.n_outputs == 3
+
+
+# ---------------------------------------------------------------------- state_dict
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_state_dict_round_trip_and_refusals(structure: str, tmp_path) -> None:
+    la = fitted(structure)
+    la.prior_precision = 0.4
+    la.sigma_noise = torch.tensor(0.9, dtype=DTYPE)
+    path = tmp_path / "la.pt"
+    torch.save(la.state_dict(), path)
+    state = torch.load(path)
+    for key, value in state.items():
+        assert value is None or isinstance(
+            value, (list, tuple, int, float, str, bool, torch.Tensor)
+        ), key
+    again = Laplace(la.model, "regression", "all", structure)
+    again.load_state_dict(state)
+    x = torch.randn(2, 4, dtype=DTYPE)
+    for a, b in zip(la(x), again(x)):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+    assert float(again.sigma_noise) == 0.9
+    torch.testing.assert_close(again.log_marginal_likelihood(), la.log_marginal_likelihood())
+    h0 = la.H.to_matrix() if structure == "kron" else la.H
+    again.fit(regression_data(), override=False)  # continual learning from a saved posterior
+    h1 = again.H.to_matrix() if structure == "kron" else again.H
+    torch.testing.assert_close(h1, 2 * h0, atol=TOL, rtol=0)
+    cases = [
+        (Laplace(la.model, "classification", "all", structure), "different likelihood"),
+        (Laplace(mlp(2, seed=1), "regression", "all", structure), "differ from the saved MAP"),
+        (Laplace(mlp(2), "regression", "last_layer", structure), "different subset"),
+        (
+            Laplace(
+                nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 2)).to(DTYPE),
+                "regression",
+                "all",
+                structure,
+            ),
+            "different model parameters",
+        ),
+        (
+            Laplace(la.model, "regression", "all", "diag" if structure != "diag" else "full"),
+            "different class",
+        ),
+        (
+            Laplace(la.model, "regression", "all", structure, hessian="empirical"),
+            "different hessian",
+        ),
+    ]
+    for other, match in cases:
+        with pytest.raises(ValueError, match=match):
+            other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"lacks \['H'\]"):
+        again.load_state_dict({k: v for k, v in state.items() if k != "H"})
+    with pytest.raises(RuntimeError, match="not fitted"):
+        Laplace(la.model, "regression", "all", structure).state_dict()
+
+
+# ---------------------------------------------------------------------- bridge_norm
+def test_bridge_norm_is_laplace_torchs_formula() -> None:
+    model = mlp(3, seed=5)
+    x = torch.randn(4, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(6))
+    la = Laplace(model, "classification", "all", "full", prior_precision=0.5)
+    la.fit([(x, torch.tensor([0, 1, 2, 1]))])
+    outs, jacs = jacobians(model, [xi[None] for xi in x])
+    f_mu = torch.stack(outs)
+    f_var = torch.stack([j @ la.posterior_covariance @ j.T for j in jacs])
+    # laplace-torch 0.3's code for link_approx="bridge_norm", written out
+    f_mu = f_mu - f_var.sum(-1) * f_mu.sum(-1).reshape(-1, 1) / f_var.sum(dim=(1, 2)).reshape(-1, 1)
+    f_var = f_var - torch.einsum("bi,bj->bij", f_var.sum(-1), f_var.sum(-2)) / f_var.sum(
+        dim=(1, 2)
+    ).reshape(-1, 1, 1)
+    k = f_mu.shape[-1]
+    diag = torch.diagonal(f_var, dim1=1, dim2=2)
+    mean = diag.mean(dim=1) / math.sqrt(k / 2)
+    f_mu = f_mu / mean.sqrt().unsqueeze(-1)
+    diag = diag / mean.unsqueeze(-1)
+    sum_exp = torch.exp(-f_mu).sum(dim=1).unsqueeze(-1)
+    alpha = (1 - 2 / k + f_mu.exp() / k**2 * sum_exp) / diag
+    ref = alpha / alpha.sum(dim=1).unsqueeze(-1)
+    torch.testing.assert_close(la(x, link_approx="bridge_norm"), ref, atol=TOL, rtol=0)
+    assert not torch.allclose(la(x, link_approx="bridge"), ref)
+
+
+# ---------------------------------------------------------------------- functional_samples
+def test_functional_samples_takes_pred_type() -> None:
+    la = fitted("full")
+    x = torch.randn(3, 4, dtype=DTYPE)
+    for pred_type, linearized in [("glm", True), ("nn", False)]:
+        a = la.functional_samples(
+            x, pred_type=pred_type, n_samples=5, generator=torch.Generator().manual_seed(1)
+        )
+        b = la.functional_samples(
+            x, 5, linearized=linearized, generator=torch.Generator().manual_seed(1)
+        )
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="disagree"):
+        la.functional_samples(x, 5, pred_type="nn", linearized=True)
+    la.likelihood = "classification"  # assigned by name, as laplace-torch's tests do
+    assert la.likelihood is mj.enums.Likelihood.CLASSIFICATION
+    with pytest.raises(ValueError, match="likelihood"):
+        la.likelihood = "poisson"
+
+
+# ---------------------------------------------------------------------- BatchNorm in train mode
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_batch_norm_in_train_mode_fits_in_eval_mode_and_keeps_the_models_mode(
+    structure: str,
+) -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5, affine=False), nn.Tanh(), nn.Linear(5, 2)).to(DTYPE)
+    model[1].running_mean.uniform_(-0.5, 0.5)
+    model[1].running_var.uniform_(0.5, 2.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trained = Laplace(model, "regression", "all", structure).fit(regression_data())
+    assert model.training and model[1].training  # the model's mode is kept
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # running statistics untouched
+    evaluated = Laplace(model.eval(), "regression", "all", structure).fit(regression_data())
+    h0 = trained.H.to_matrix() if structure == "kron" else trained.H
+    h1 = evaluated.H.to_matrix() if structure == "kron" else evaluated.H
+    torch.testing.assert_close(h0, h1, atol=TOL, rtol=0)
+    model.train()
+    with pytest.raises(ValueError, match="BatchNorm"):
+        Laplace(model, "regression", "all", structure, batch_norm="error")
