@@ -244,7 +244,9 @@ def test_batch_norm_in_train_mode_fits_in_eval_mode_and_keeps_the_models_mode(
     structure: str,
 ) -> None:
     torch.manual_seed(2)
-    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5, affine=False), nn.Tanh(), nn.Linear(5, 2)).to(DTYPE)
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.BatchNorm1d(5, affine=False), nn.Tanh(), nn.Linear(5, 2)
+    ).to(DTYPE)
     model[1].running_mean.uniform_(-0.5, 0.5)
     model[1].running_var.uniform_(0.5, 2.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
