@@ -26,6 +26,7 @@ an unbiased estimate over the masks).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -752,9 +753,7 @@ class _FisherRun:
             raise ValueError("data yielded no samples")
         warn_fallback(self.fallbacks)
         plan = self._final_plan()
-        counts: dict[str, int] = {}
-        for rule in plan.values():
-            counts[rule] = counts.get(rule, 0) + 1
+        counts = collections.Counter(plan.values())
         method = "per tensor: " + ", ".join(f"{r} x{k}" for r, k in sorted(counts.items()))
         return DiagFisherResult(
             flat / count,

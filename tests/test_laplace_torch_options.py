@@ -261,3 +261,76 @@ def test_batch_norm_in_train_mode_fits_in_eval_mode_and_keeps_the_models_mode(
     model.train()
     with pytest.raises(ValueError, match="BatchNorm"):
         Laplace(model, "regression", "all", structure, batch_norm="error")
+
+
+# ---------------------------------------------------------------------- dict batches
+class DictModel(nn.Module):
+    """A model called with a dict batch (Hugging Face style); the labels never reach it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DTYPE)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        assert "y" not in batch
+        return self.net(batch["x"])
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_dict_batches_with_dict_keys(structure: str) -> None:
+    from collections import UserDict
+
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(3, 4, generator=g, dtype=DTYPE) for _ in range(2)]
+    ys = [torch.randint(3, (3,), generator=g) for _ in range(2)]
+    model = DictModel()
+    dicts = [UserDict({"x": x, "y": y}) for x, y in zip(xs, ys)]
+    la = Laplace(model, "classification", "all", structure, dict_key_x="x", dict_key_y="y")
+    la.fit(dicts)
+    plain = Laplace(model.net, "classification", "all", structure).fit(list(zip(xs, ys)))
+    h0 = la.H.to_matrix() if structure == "kron" else la.H
+    h1 = plain.H.to_matrix() if structure == "kron" else plain.H
+    torch.testing.assert_close(h0, h1, atol=TOL, rtol=0)
+    torch.testing.assert_close(la(dicts[0]), plain(xs[0]), atol=TOL, rtol=0)
+    with pytest.raises(KeyError, match=r"lacks \['input_ids', 'labels'\]"):
+        Laplace(model, "classification", "all", structure).fit(dicts)
+    with pytest.raises(TypeError, match="dict_key_x must be a str"):
+        Laplace(model, "classification", "all", structure, dict_key_x=1)
+
+
+# ---------------------------------------------------------------------- reward modelling
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_reward_modeling_fits_pairs_and_predicts_one_reward(structure: str) -> None:
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).to(DTYPE)
+
+    class Pairs(nn.Module):  # (N, 2, 3) -> the two rewards (N, 2); (N, 3) -> (N, 1)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 3:
+                return self.net(x.reshape(-1, x.shape[-1])).reshape(x.shape[0], 2)
+            return self.net(x)
+
+    model = Pairs()
+    g = torch.Generator().manual_seed(4)
+    pairs, prefs = (
+        torch.randn(5, 2, 3, generator=g, dtype=DTYPE),
+        torch.randint(2, (5,), generator=g),
+    )
+    la = Laplace(model, "reward_modeling", "all", structure).fit([(pairs, prefs)])
+    ref = Laplace(model, "classification", "all", structure).fit([(pairs, prefs)])
+    h0 = la.H.to_matrix() if structure == "kron" else la.H
+    h1 = ref.H.to_matrix() if structure == "kron" else ref.H
+    torch.testing.assert_close(h0, h1, atol=TOL, rtol=0)
+    assert la.likelihood is mj.enums.Likelihood.REGRESSION  # the predictive is a regression
+    x = torch.randn(4, 3, generator=g, dtype=DTYPE)
+    mean, var = la(x)
+    outs, jacs = jacobians(model, [xi[None] for xi in x])
+    torch.testing.assert_close(mean, torch.stack(outs), atol=TOL, rtol=0)
+    sigma = covariance(la)
+    torch.testing.assert_close(var, torch.stack([j @ sigma @ j.T for j in jacs]), atol=TOL, rtol=0)
+    assert la.state_dict()["likelihood"] == "reward_modeling"

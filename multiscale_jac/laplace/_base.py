@@ -9,7 +9,9 @@ form).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -37,6 +39,7 @@ from ..enums import (
 )
 from ..subset import ParamSubset
 from ._backends import backend_hessian
+from ._batches import DictPairs
 
 if TYPE_CHECKING:
     from .._checks import Prepared
@@ -44,26 +47,20 @@ if TYPE_CHECKING:
 __all__ = ["CurvatureBackend", "LaplaceBase"]
 
 
-#: the keys :meth:`LaplaceBase.load_state_dict` reads
-_STATE_KEYS = (
-    "cls_name",
-    "likelihood",
-    "hessian",
-    "subset_names",
-    "subnetwork_indices",
-    "parameter_shapes",
-    "mean",
-    "H",
-    "loss",
-    "prior_mean",
-    "prior_precision",
-    "sigma_noise",
-    "n_data",
-    "n_outputs",
-    "n_entries",
-    "temperature",
-    "enable_backprop",
-)
+#: laplace-torch's likelihood for preference learning: a classification of the pair's rewards
+#: ``(N, 2)`` in the fit, a regression of one reward ``(N, 1)`` in the predictive
+REWARD_MODELING = "reward_modeling"
+
+
+def fitting(fit: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a class's ``fit``: it runs under :meth:`LaplaceBase._fitting`."""
+
+    @functools.wraps(fit)
+    def run(self: LaplaceBase, *args: Any, **kwargs: Any) -> Any:
+        with self._fitting():
+            return fit(self, *args, **kwargs)
+
+    return run
 
 
 class CurvatureBackend(NamedTuple):
@@ -112,6 +109,8 @@ class LaplaceBase:
         strict: bool = False,
         entries: str | Entries = "auto",
         enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
         backend: Any = None,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
@@ -129,9 +128,13 @@ class LaplaceBase:
             input_kind=input_kind,
         )
         self.model, self.subset, self.output_fn = model, self._prep.subset, output_fn
-        self._likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+        self.likelihood = likelihood
         self.hessian = parse_enum(HessianKind, "ggn" if hessian is None else hessian, "hessian")
         self.enable_backprop = check_bool(enable_backprop, "enable_backprop")
+        for key, what in ((dict_key_x, "dict_key_x"), (dict_key_y, "dict_key_y")):
+            if not isinstance(key, str):
+                raise TypeError(f"{what} must be a str; got {key!r}")
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
         self.ignore_index = check_int(ignore_index, "ignore_index")
         self.chunk_size = check_chunk_size(chunk_size)
         self.memory_budget = check_memory_budget(memory_budget)
@@ -154,13 +157,36 @@ class LaplaceBase:
 
     @property
     def likelihood(self) -> Likelihood:
-        """``classification`` or ``regression`` (assign a string or the enum)."""
+        """``classification`` or ``regression`` (assign a string or the enum); laplace-torch's
+        ``"reward_modeling"`` is a classification while :meth:`fit` runs (a model's pair of
+        rewards ``(N, 2)`` for preference labels) and a regression otherwise (the predictive
+        of one reward)."""
         return self._likelihood
 
     @likelihood.setter
     def likelihood(self, value: str | Likelihood) -> None:
-        self._likelihood = parse_enum(Likelihood, value, "likelihood")
+        self._reward = value == REWARD_MODELING
+        try:
+            self._likelihood = (
+                Likelihood.REGRESSION
+                if self._reward
+                else parse_enum(Likelihood, value, "likelihood")
+            )
+        except ValueError as err:
+            raise ValueError(f"{err}, or {REWARD_MODELING!r} (laplace-torch's)") from None
         self._scale = None
+
+    @contextlib.contextmanager
+    def _fitting(self) -> Iterator[None]:
+        """Inside a fit: ``reward_modeling`` is a classification (of preference pairs)."""
+        if not self._reward:
+            yield
+            return
+        self._likelihood = Likelihood.CLASSIFICATION
+        try:
+            yield
+        finally:
+            self._likelihood = Likelihood.REGRESSION
 
     @property
     def sigma_noise(self) -> float | Tensor:
@@ -276,94 +302,19 @@ class LaplaceBase:
         """laplace-torch's name for :attr:`n_params` of a subnetwork Laplace."""
         return self.subset.numel
 
-    # ------------------------------------------------------------------ saving
-    def state_dict(self) -> dict[str, Any]:
-        """The fitted posterior as plain values (tensors, numbers, strings, lists: no pickled
-        objects), for ``torch.save``; laplace-torch's keys, plus what identifies the model and
-        the subset (checked by :meth:`load_state_dict`).
+    # ------------------------------------------------------------------ dict batches
+    def _data(self, data: Iterable[Any]) -> Iterable[Any]:
+        """``data`` with laplace-torch's dict batches (``{dict_key_x: ..., dict_key_y: ...,
+        ...}``, e.g. Hugging Face's) as ``(inputs, targets)`` pairs: the targets are
+        ``batch[dict_key_y]`` and the inputs the batch without that key, a dict the model is
+        called with (one sample's entries each); other batches pass unchanged."""
+        return DictPairs(data, self.dict_key_x, self.dict_key_y)
 
-        Raises:
-            RuntimeError: not fitted.
-        """
-        h = self._fitted()
-        return {
-            "cls_name": type(self).__name__,
-            "likelihood": self.likelihood.value,
-            "hessian": self.hessian.value,
-            "subset_names": list(self.subset.names),
-            "subnetwork_indices": self.subset.flat_indices(),
-            "parameter_shapes": [[n, list(p.shape)] for n, p in self.model.named_parameters()],
-            "mean": self.mean,
-            "H": self._h_state(h),
-            "loss": self.loss,
-            "prior_mean": self.prior_mean,
-            "prior_precision": self.prior_precision,
-            "sigma_noise": self.sigma_noise,
-            "n_data": self.n_data,
-            "n_outputs": self.n_outputs,
-            "n_entries": self._n_entries,
-            "temperature": self.temperature,
-            "enable_backprop": self.enable_backprop,
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a posterior saved by :meth:`state_dict` (tensors go to this posterior's device
-        and dtype). The class, likelihood, curvature (``hessian``), model parameters (names
-        and shapes), subset and MAP (the model's current values of the subset) must be those
-        it was saved with; the prior, noise, temperature and ``enable_backprop`` are taken
-        from it.
-
-        Raises:
-            ValueError: anything of the above that differs, naming it, or a missing key.
-        """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping; got {type(state_dict).__name__}")
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise ValueError(f"state_dict lacks {missing}: not saved by state_dict()")
-        params = [[n, list(p.shape)] for n, p in self.model.named_parameters()]
-        mean = state_dict["mean"].to(self.mean)
-        checks = [
-            ("class", state_dict["cls_name"], type(self).__name__),
-            ("likelihood", state_dict["likelihood"], self.likelihood.value),
-            ("hessian", state_dict["hessian"], self.hessian.value),
-            ("model parameters (names and shapes)", state_dict["parameter_shapes"], params),
-            ("subset", list(state_dict["subset_names"]), list(self.subset.names)),
-        ]
-        for what, saved, here in checks:
-            if saved != here:
-                raise ValueError(f"load_state_dict: different {what}: saved {saved}, here {here}")
-        if not torch.equal(
-            state_dict["subnetwork_indices"].cpu(), self.subset.flat_indices().cpu()
-        ):
-            raise ValueError("load_state_dict: different subset entries (subnetwork_indices)")
-        if not torch.allclose(mean, self.mean):
-            raise ValueError(
-                "load_state_dict: the model's values of the subset differ from the saved MAP "
-                "(load the model's weights first: the predictive runs the model)"
-            )
-        h = self._h_from_state(state_dict["H"])
-        self.prior_mean = self._vector(state_dict["prior_mean"], "prior_mean", positive=False)
-        self.prior_precision = state_dict["prior_precision"]
-        self.temperature = check_positive_number(state_dict["temperature"], "temperature")
-        self.sigma_noise = state_dict["sigma_noise"]
-        self.enable_backprop = check_bool(state_dict["enable_backprop"], "enable_backprop")
-        self.H, self.loss = h, float(state_dict["loss"])
-        self.n_data, self._n_entries = int(state_dict["n_data"]), int(state_dict["n_entries"])
-        self.n_outputs = state_dict["n_outputs"]
-        self._scale = None
-
-    def _h_state(self, h: Any) -> Any:
-        """The curvature as plain values (a tensor here; forms with factors override)."""
-        return h
-
-    def _h_from_state(self, value: Any) -> Any:
-        """:meth:`_h_state`'s inverse, on this posterior's device and dtype, shape checked."""
-        p = self.subset.numel
-        t = torch.as_tensor(value).to(self.mean)
-        if t.shape != (p, p) and t.shape != (p,):
-            raise ValueError(f"load_state_dict: H of shape {tuple(t.shape)} for P={p}")
-        return t
+    def _inputs(self, inputs: Any) -> Any:
+        """Predictive inputs: a dict batch without its ``dict_key_y`` entry (see :meth:`_data`)."""
+        if isinstance(inputs, Mapping):
+            return {k: v for k, v in inputs.items() if k != self.dict_key_y}
+        return inputs
 
     # ------------------------------------------------------------------ state
     def _seen_output(self, shape: Sequence[int]) -> None:

@@ -33,7 +33,7 @@ from ..engine import run_engine
 from ..enums import HessianKind, Likelihood, MemoryBudgetError
 from ..fisher import diag_fisher
 from ..packing import PackedBatch
-from ._base import LaplaceBase
+from ._base import LaplaceBase, fitting
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -335,6 +335,7 @@ class SubsetCurvature(JacobianStream):
     stream, or a whole sample's curvature from one forward pass (its reverse or column route,
     or a subsample of its positions)."""
 
+    @fitting
     def fit(
         self,
         train_loader: Iterable[tuple[Any, Any]],
@@ -377,7 +378,7 @@ class SubsetCurvature(JacobianStream):
         sampling = Sampling(
             self._check_max_outputs(max_outputs_per_sample), check_generator(generator)
         )
-        data = train_loader
+        data = self._data(train_loader)
         reducer = Reducer(process_group)
         p = self.subset.numel
         previous = None if override or self.H is None else self.H
@@ -570,6 +571,7 @@ class DiagCurvature(LaplaceBase):
     #: :func:`~multiscale_jac.diag_fisher`'s options (set by the class's constructor)
     _fisher_options: dict[str, Any]
 
+    @fitting
     def fit(
         self,
         train_loader: Iterable[tuple[Any, Any]],
@@ -590,7 +592,7 @@ class DiagCurvature(LaplaceBase):
         kind = "exact" if self.hessian is HessianKind.GGN else "empirical"
         res = diag_fisher(  # the loss at the MAP from the fisher's own forward passes
             self.model,
-            train_loader,
+            self._data(train_loader),
             params=self.subset,
             likelihood=self.likelihood,
             kind=kind,

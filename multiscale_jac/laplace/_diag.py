@@ -17,11 +17,12 @@ from ._curvature import DiagCurvature
 from ._marglik import MarginalLikelihood
 from ._posterior import DiagForm
 from ._predictive import Predictive
+from ._saving import Saving
 
 __all__ = ["DiagLaplace"]
 
 
-class DiagLaplace(DiagCurvature, Predictive, MarginalLikelihood):
+class DiagLaplace(DiagCurvature, Predictive, MarginalLikelihood, Saving):
     """Diagonal Laplace: ``P_post = diag(h) / (sigma^s T) + diag(p_0)``, where ``h`` ``(P,)`` is
     the diagonal of ``sum_i J_i^T Lambda_i J_i`` (``hessian="ggn"``) or of ``sum_i g_i g_i^T``
     (``hessian="empirical"``).

@@ -16,12 +16,6 @@ from ._subnet import SubnetLaplace
 
 __all__ = ["Laplace"]
 
-#: laplace-torch options with no counterpart here, and what to do instead
-_FOREIGN_OPTIONS = {
-    "dict_key_x": "pass the inputs in any form multiscale_jac.pack accepts",
-    "dict_key_y": "pass (inputs, targets) pairs",
-}
-
 
 def Laplace(  # laplace-torch's name
     model: nn.Module,
@@ -77,7 +71,7 @@ def Laplace(  # laplace-torch's name
         TypeError: a model that is not an ``nn.Module``, a laplace-torch option that has no
             counterpart here (the message says what to do).
     """
-    _refuse_foreign(library_options)
+    _refuse_subset(library_options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
     which = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
@@ -110,13 +104,8 @@ def Laplace(  # laplace-torch's name
     return la
 
 
-def _refuse_foreign(options: dict[str, Any]) -> None:
-    """laplace-torch options without a counterpart, and ``subset=`` (the classes' name)."""
-    for name, why in _FOREIGN_OPTIONS.items():
-        if name in options:
-            raise TypeError(
-                f"Laplace() got laplace-torch's {name}=, which has no counterpart: {why}"
-            )
+def _refuse_subset(options: dict[str, Any]) -> None:
+    """``subset=`` (the classes' name) is refused here."""
     if "subset" in options:
         raise TypeError(
             "Laplace() takes the subset as subset_of_weights='subnetwork' with "

@@ -12,10 +12,11 @@ from .._checks import check_bool
 from .._kfac import KronResult, kron_factors
 from ..enums import HessianKind, Likelihood
 from ..subset import ParamSubset
-from ._base import LaplaceBase
+from ._base import LaplaceBase, fitting
 from ._kron import KronBlock, KronCurvatureFactors, KronForm
 from ._marglik import MarginalLikelihood
 from ._predictive import Predictive
+from ._saving import Saving
 
 __all__ = ["KronLaplace"]
 
@@ -33,6 +34,7 @@ class KronCurvature(LaplaceBase):
     #: :func:`~multiscale_jac._kfac.kron_factors`'s options (set by the constructor)
     _kron_options: dict[str, Any]
 
+    @fitting
     def fit(
         self,
         train_loader: Iterable[tuple[Any, Any]],
@@ -55,7 +57,7 @@ class KronCurvature(LaplaceBase):
         kind = "ggn" if self.hessian is HessianKind.GGN else "empirical"
         res = kron_factors(
             self.model,
-            train_loader,
+            self._data(train_loader),
             params=self.subset,
             likelihood=self.likelihood,
             kind=kind,
@@ -95,7 +97,7 @@ def _regression_outputs(res: KronResult, likelihood: Likelihood) -> int:
     return 0 if likelihood is Likelihood.CLASSIFICATION else res.num_outputs
 
 
-class KronLaplace(KronCurvature, Predictive, MarginalLikelihood):
+class KronLaplace(KronCurvature, Predictive, MarginalLikelihood, Saving):
     """Kronecker-factored Laplace (K-FAC): ``P_post`` block-diagonal over the selected tensors,
     each weight's block ``G (x) A / (sigma^s T) + delta I`` and each bias's ``c G / (sigma^s T)
     + delta I`` (laplace-torch's ``KronLaplace`` with ``separate_weight_and_bias``).

@@ -30,8 +30,19 @@ class MarginalLikelihood(Posterior):
     """The Laplace approximation of ``log p(D)`` and the prior precision that maximises it (or
     minimises a validation loss of the predictive: the class's ``__call__``)."""
 
-    def log_likelihood(self, sigma_noise: Any = None) -> Tensor:
-        """``log p(D | theta_MAP)`` with the temperature applied (see the module docstring)."""
+    @property
+    def log_likelihood(self) -> Tensor:
+        """``log p(D | theta_MAP)`` with the temperature applied (see the module docstring); a
+        property, as laplace-torch's."""
+        return self._log_likelihood()
+
+    @property
+    def scatter(self) -> Tensor:
+        """``(theta_MAP - mu_0)^T P_0 (theta_MAP - mu_0)`` (laplace-torch's name)."""
+        delta = self.mean - self.prior_mean
+        return (delta * self.prior_precision_diag) @ delta
+
+    def _log_likelihood(self, sigma_noise: Any = None) -> Tensor:
         self._fitted()
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
         sigma_t = torch.as_tensor(sigma, dtype=self.mean.dtype, device=self.mean.device)
@@ -61,7 +72,7 @@ class MarginalLikelihood(Posterior):
         logdet_prior = prior.log().sum()
         delta = self.mean - self.prior_mean
         scatter = (delta * prior) @ delta
-        return self.log_likelihood(sigma_noise) - 0.5 * (logdet_post - logdet_prior + scatter)
+        return self._log_likelihood(sigma_noise) - 0.5 * (logdet_post - logdet_prior + scatter)
 
     def optimize_prior_precision(
         self,
@@ -180,7 +191,7 @@ class MarginalLikelihood(Posterior):
     ) -> Tensor:
         """The grid value of the smallest validation loss (a non-positive-definite posterior
         scores infinity)."""
-        batches = [pair(b) for b in val_loader]
+        batches = [pair(b) for b in self._data(val_loader)]
         if not batches:
             raise ValueError("val_loader yielded no batches")
         cap = self.memory_budget if self.memory_budget is not None else 4 * DEFAULT_JACOBIAN_BYTES

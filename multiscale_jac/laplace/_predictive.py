@@ -125,7 +125,7 @@ class Predictive(Posterior, JacobianStream):
         covariance ``(N O, N O)`` across samples and outputs (sample-major), from the whitened
         Jacobian rows of the whole batch (``P x N O`` held at once)."""
         self._fitted()
-        packed = self._prep.pack(inputs)
+        packed = self._prep.pack(self._inputs(inputs))
         means: list[Tensor] = []
         rows: list[Tensor] = []
         for block in self._blocks(inputs, packed):
@@ -240,7 +240,7 @@ class Predictive(Posterior, JacobianStream):
         """:meth:`predictive` on checked arguments; ``covariance=False`` skips the ``O x O``
         covariances of vector outputs."""
         self._fitted()
-        packed = self._prep.pack(inputs)
+        packed = self._prep.pack(self._inputs(inputs))
         n = packed.num_samples
         means: list[list[Tensor]] = [[] for _ in range(n)]
         variances: list[list[Tensor]] = [[] for _ in range(n)]
@@ -324,7 +324,7 @@ class Predictive(Posterior, JacobianStream):
         n_samples = check_positive_int(n_samples, "n_samples")
         linearized = _linearized(linearized, pred_type)
         thetas = self.sample(n_samples, generator=generator)  # (S, P)
-        packed = self._prep.pack(inputs)
+        packed = self._prep.pack(self._inputs(inputs))
         n = packed.num_samples
         cls = self.likelihood is Likelihood.CLASSIFICATION
         out: list[Tensor] = []

@@ -6,11 +6,12 @@ from ._curvature import SubsetCurvature
 from ._marglik import MarginalLikelihood
 from ._posterior import FullForm
 from ._predictive import Predictive
+from ._saving import Saving
 
 __all__ = ["SubnetLaplace"]
 
 
-class SubnetLaplace(SubsetCurvature, Predictive, MarginalLikelihood):
+class SubnetLaplace(SubsetCurvature, Predictive, MarginalLikelihood, Saving):
     """Laplace approximation over a subset of a model's parameter entries.
 
     Args:
