@@ -334,3 +334,17 @@ def test_reward_modeling_fits_pairs_and_predicts_one_reward(structure: str) -> N
     sigma = covariance(la)
     torch.testing.assert_close(var, torch.stack([j @ sigma @ j.T for j in jacs]), atol=TOL, rtol=0)
     assert la.state_dict()["likelihood"] == "reward_modeling"
+
+
+def test_regression_ef_backend_takes_laplace_torchs_convention() -> None:
+    """An EF backend named on a regression: laplace-torch's posterior ``2 EF / sigma^2``; the
+    library's own ``hessian="empirical"``: the textbook ``EF / sigma^4``."""
+    model = mlp(2)
+    named = Laplace(model, "regression", "all", "full", sigma_noise=0.7, backend="CurvlinopsEF")
+    own = Laplace(model, "regression", "all", "full", sigma_noise=0.7, hessian="empirical")
+    named.fit(regression_data())
+    own.fit(regression_data())
+    torch.testing.assert_close(named.H, own.H, atol=0, rtol=0)  # H: the EF at sigma = 1
+    prior = torch.eye(named.n_params, dtype=DTYPE)
+    torch.testing.assert_close(named.posterior_precision, 2 * own.H / 0.49 + prior)
+    torch.testing.assert_close(own.posterior_precision, own.H / 0.7**4 + prior)

@@ -166,11 +166,15 @@ class Posterior(LaplaceBase):
     form: ClassVar[PosteriorForm]
 
     def _factor(self, sigma: Tensor | float) -> Tensor | float:
-        """``1 / (sigma^s T)``: ``s = 4`` for a regression's empirical Fisher, else 2."""
-        empirical_regression = (
-            self.hessian is HessianKind.EMPIRICAL and self.likelihood is Likelihood.REGRESSION
-        )
-        return 1.0 / (sigma ** (4 if empirical_regression else 2) * self.temperature)
+        """``1 / (sigma^s T)``: ``s = 4`` for a regression's empirical Fisher, else 2; with a
+        laplace-torch EF backend named (``backend=``) a regression's empirical Fisher takes
+        laplace-torch's convention, ``2 / (sigma^2 T)`` (its curvature is twice the textbook
+        value and divided by ``sigma^2``), so the posterior's numbers are laplace-torch's."""
+        if self.hessian is HessianKind.EMPIRICAL and self.likelihood is Likelihood.REGRESSION:
+            if self._backend_name is not None:
+                return 2.0 / (sigma**2 * self.temperature)
+            return 1.0 / (sigma**4 * self.temperature)
+        return 1.0 / (sigma**2 * self.temperature)
 
     def _terms(self, prior_precision: Any = None, sigma_noise: Any = None) -> PrecisionTerms:
         """``P_post``'s terms at a prior precision and a noise (``None``: the stored ones)."""
