@@ -348,3 +348,19 @@ def test_regression_ef_backend_takes_laplace_torchs_convention() -> None:
     prior = torch.eye(named.n_params, dtype=DTYPE)
     torch.testing.assert_close(named.posterior_precision, 2 * own.H / 0.49 + prior)
     torch.testing.assert_close(own.posterior_precision, own.H / 0.7**4 + prior)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_functional_variance_and_covariance_of_given_jacobians(structure: str) -> None:
+    la = fitted(structure)
+    x = torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(5))
+    _, jacs = jacobians(la.model, [xi[None] for xi in x])
+    js, sigma = torch.stack(jacs), covariance(la)
+    ref = torch.einsum("nop,pq,nkq->nok", js, sigma, js)
+    torch.testing.assert_close(la.functional_variance(js), ref, atol=TOL, rtol=0)
+    flat = js.reshape(-1, js.shape[-1])
+    torch.testing.assert_close(
+        la.functional_covariance(js), flat @ sigma @ flat.T, atol=TOL, rtol=0
+    )
+    with pytest.raises(ValueError, match=r"Js must be \(N, O, P="):
+        la.functional_variance(js[0])

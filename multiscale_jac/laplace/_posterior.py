@@ -223,6 +223,25 @@ class Posterior(LaplaceBase):
         """``V`` ``(P, rows)`` with ``V^T V = J Sigma J^T`` for Jacobian rows ``jac``."""
         return self.form.whiten(self.posterior_scale, jac)
 
+    def functional_variance(self, Js: Tensor) -> Tensor:  # noqa: N803 - laplace-torch's name
+        """``J Sigma J^T`` per sample, ``(N, O, O)``, for Jacobians ``Js`` ``(N, O, P)`` over
+        this posterior's entries (laplace-torch's call)."""
+        v = self._whitened(Js)  # (N, P, O)
+        return v.transpose(1, 2) @ v
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:  # noqa: N803 - laplace-torch's name
+        """``J Sigma J^T`` across samples, ``(N O, N O)`` (sample-major), for ``Js``
+        ``(N, O, P)`` (laplace-torch's call)."""
+        v = self._whitened(Js)
+        flat = v.transpose(0, 1).reshape(v.shape[1], -1)  # (P, N O)
+        return flat.T @ flat
+
+    def _whitened(self, js: Tensor) -> Tensor:
+        if not isinstance(js, Tensor) or js.dim() != 3 or js.shape[-1] != self.subset.numel:
+            what = tuple(js.shape) if isinstance(js, Tensor) else type(js).__name__
+            raise ValueError(f"Js must be (N, O, P={self.subset.numel}); got {what}")
+        return torch.stack([self._whiten(j.to(self.mean)) for j in js])
+
     def _draw(self, z: Tensor) -> Tensor:
         """Standard normals ``z`` ``(P, S)`` -> draws ``(P, S)`` from ``N(0, Sigma)``."""
         return self.form.draw(self.posterior_scale, z)
