@@ -364,3 +364,22 @@ def test_functional_variance_and_covariance_of_given_jacobians(structure: str) -
     )
     with pytest.raises(ValueError, match=r"Js must be \(N, O, P="):
         la.functional_variance(js[0])
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_backend_jacobians(structure: str) -> None:
+    model = mlp(2)
+    x = torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(5))
+    outs, jacs = jacobians(model, [xi[None] for xi in x])
+    la = Laplace(model, "regression", "all", structure).fit(regression_data())
+    js, f = la.backend.jacobians(x)
+    torch.testing.assert_close(js, torch.stack(jacs), atol=TOL, rtol=0)
+    torch.testing.assert_close(f, torch.stack(outs), atol=TOL, rtol=0)
+    xg = x.clone().requires_grad_(True)
+    assert la.backend.jacobians(xg, enable_backprop=True)[0].requires_grad
+    assert not la.enable_backprop  # the posterior's own setting is kept
+    with pytest.raises(ValueError, match="not over the last layer"):
+        la.backend.last_layer_jacobians(x)
+    last = Laplace(model, "regression", "last_layer", structure)
+    js, _ = last.backend.last_layer_jacobians(x)
+    torch.testing.assert_close(js, torch.stack(jacs)[..., -14:], atol=TOL, rtol=0)  # 6*2 + 2

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
+
 from ..enums import HessianKind, parse_enum
 
-__all__ = ["BACKENDS", "backend_hessian"]
+__all__ = ["BACKENDS", "CurvatureBackend", "backend_hessian"]
 
 
 #: laplace-torch's curvature backends by name: what each means here (docs/laplace.md); its
@@ -94,3 +96,44 @@ def _names(backend: Any) -> list[str]:
     if mro is None:
         raise TypeError(f"backend must be a backend class or its name; got {backend!r}")
     return [c.__name__ for c in mro]
+
+
+class CurvatureBackend:
+    """laplace-torch's ``la.backend``: what computes the curvature, always this library.
+
+    Attributes:
+        name: The laplace-torch backend a caller named (``None``: none).
+        hessian: What it means here (``ggn`` or ``empirical``).
+        subnetwork_indices: The posterior's entries as indices into
+            ``parameters_to_vector(model.parameters())``, in the posterior's order.
+    """
+
+    def __init__(self, la: Any) -> None:
+        self._la = la
+        self.name: str | None = la._backend_name
+        self.hessian: HessianKind = la.hessian
+        self.subnetwork_indices: Tensor = la.subset.flat_indices()
+
+    def jacobians(self, x: Any, enable_backprop: bool | None = None) -> tuple[Tensor, Tensor]:
+        """laplace-torch's ``backend.jacobians``: per-sample Jacobians over the posterior's
+        entries ``(N, O, P)`` and the outputs ``(N, O)`` (after ``output_fn``; every sample's
+        output of one size), from the posterior's own stream.
+
+        Args:
+            x: The inputs (anything :func:`~multiscale_jac.pack` accepts).
+            enable_backprop: Keep the graph to ``x`` (``None``: the posterior's setting).
+        """
+        return self._la._stacked_jacobians(x, enable_backprop)
+
+    def last_layer_jacobians(
+        self, x: Any, enable_backprop: bool | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """laplace-torch's ``backend.last_layer_jacobians``: :meth:`jacobians`, for a posterior
+        over the last layer (refused for another subset: this backend has no feature
+        extractor)."""
+        if not self._la._last_layer:
+            raise ValueError(
+                "last_layer_jacobians: this posterior is not over the last layer; use "
+                "jacobians(x), over its own entries"
+            )
+        return self.jacobians(x, enable_backprop)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -38,13 +38,13 @@ from ..enums import (
     parse_enum,
 )
 from ..subset import ParamSubset
-from ._backends import backend_hessian
+from ._backends import CurvatureBackend, backend_hessian
 from ._batches import DictPairs
 
 if TYPE_CHECKING:
     from .._checks import Prepared
 
-__all__ = ["CurvatureBackend", "LaplaceBase"]
+__all__ = ["LaplaceBase"]
 
 
 #: laplace-torch's likelihood for preference learning: a classification of the pair's rewards
@@ -61,17 +61,6 @@ def fitting(fit: Callable[..., Any]) -> Callable[..., Any]:
             return fit(self, *args, **kwargs)
 
     return run
-
-
-class CurvatureBackend(NamedTuple):
-    """What computes the curvature (laplace-torch's ``la.backend``): always this library;
-    ``name`` is the laplace-torch backend a caller named (``None``: none), ``hessian`` what it
-    means here, ``subnetwork_indices`` the posterior's entries as indices into
-    ``parameters_to_vector(model.parameters())``, in the posterior's order."""
-
-    name: str | None
-    hessian: HessianKind
-    subnetwork_indices: Tensor
 
 
 class LaplaceBase:
@@ -152,6 +141,9 @@ class LaplaceBase:
         self._n_entries = 0
         self.n_outputs: int | None = None
         self._fallbacks: list[str] = []
+        #: built by ``Laplace(subset_of_weights="last_layer")`` (``la.backend``'s
+        #: ``last_layer_jacobians``)
+        self._last_layer = False
         self._model_kwargs: dict[str, Any] = {}  # la(x, **model_kwargs) while it runs
         self._memo = None
 
@@ -219,7 +211,7 @@ class LaplaceBase:
     def backend(self) -> CurvatureBackend:
         """laplace-torch's ``la.backend``: the curvature's description (no object of another
         library is involved)."""
-        return CurvatureBackend(self._backend_name, self.hessian, self.subset.flat_indices())
+        return CurvatureBackend(self)
 
     @property
     def n_params(self) -> int:

@@ -261,6 +261,31 @@ class JacobianStream(LaplaceBase):
                     yield Block(i, out, res.jacobian[k, :o], (0, out.shape[-1]), shapes[i])
             start = stop
 
+    def _stacked_jacobians(self, x: Any, enable_backprop: bool | None) -> tuple[Tensor, Tensor]:
+        """Every sample's Jacobian ``(N, O, P)`` and outputs ``(N, O)`` (``la.backend``'s
+        ``jacobians``); outputs of one size per sample only."""
+        saved = self.enable_backprop
+        if enable_backprop is not None:
+            self.enable_backprop = check_bool(enable_backprop, "enable_backprop")
+        try:
+            packed = self._prep.pack(self._inputs(x))
+            rows: list[list[Tensor]] = [[] for _ in range(packed.num_samples)]
+            outs: list[list[Tensor]] = [[] for _ in range(packed.num_samples)]
+            for block in self._jacobians(packed):
+                if block.jac is None:  # pragma: no cover - predictive blocks carry rows
+                    raise RuntimeError("internal error: a block without Jacobian rows")
+                rows[block.i].append(block.jac)
+                outs[block.i].append(block.out.reshape(-1))
+        finally:
+            self.enable_backprop = saved
+        js = [torch.cat(r) for r in rows]
+        if len({j.shape for j in js}) != 1:
+            raise ValueError(
+                "jacobians: the samples' outputs differ in size "
+                f"{sorted({j.shape[0] for j in js})}; use predictive() for ragged outputs"
+            )
+        return torch.stack(js), torch.stack([torch.cat(o) for o in outs])
+
     def _differentiable(self, packed: PackedBatch) -> Iterator[Block]:
         """``enable_backprop``: every sample's outputs and Jacobian rows by ``torch.func.jacrev``
         (one sample at a time), keeping the graph to inputs that require grad (the engine

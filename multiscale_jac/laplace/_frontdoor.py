@@ -101,6 +101,7 @@ def Laplace(  # laplace-torch's name
         temperature=temperature,
         **library_options,
     )
+    la._last_layer = which is SubsetOfWeights.LAST_LAYER
     return la
 
 

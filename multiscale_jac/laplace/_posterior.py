@@ -223,13 +223,13 @@ class Posterior(LaplaceBase):
         """``V`` ``(P, rows)`` with ``V^T V = J Sigma J^T`` for Jacobian rows ``jac``."""
         return self.form.whiten(self.posterior_scale, jac)
 
-    def functional_variance(self, Js: Tensor) -> Tensor:  # noqa: N803 - laplace-torch's name
+    def functional_variance(self, Js: Tensor) -> Tensor:
         """``J Sigma J^T`` per sample, ``(N, O, O)``, for Jacobians ``Js`` ``(N, O, P)`` over
         this posterior's entries (laplace-torch's call)."""
         v = self._whitened(Js)  # (N, P, O)
         return v.transpose(1, 2) @ v
 
-    def functional_covariance(self, Js: Tensor) -> Tensor:  # noqa: N803 - laplace-torch's name
+    def functional_covariance(self, Js: Tensor) -> Tensor:
         """``J Sigma J^T`` across samples, ``(N O, N O)`` (sample-major), for ``Js``
         ``(N, O, P)`` (laplace-torch's call)."""
         v = self._whitened(Js)
