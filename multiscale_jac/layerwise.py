@@ -593,9 +593,26 @@ class LayerwiseRun:
         self._sums[s.name] = sq if prev is None else prev + sq
 
 
+#: reads of a tensor's metadata, not of its values (``next(model.parameters()).device``):
+#: not a use of a parameter
+_METADATA = frozenset(
+    [
+        *(
+            getattr(torch.Tensor, name).__get__
+            for name in ("device", "dtype", "shape", "ndim", "is_cuda", "layout", "requires_grad")
+        ),
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.element_size,
+        torch.Tensor.get_device,
+    ]
+)
+
+
 class _UseWatch(TorchFunctionMode):
-    """Records parameters read by an op outside the layers that own them, and the model's
-    inputs (``inputs``, by id) read by one."""
+    """Records parameters read by an op outside the layers that own them (metadata reads such
+    as ``.device`` are not uses), and the model's inputs (``inputs``, by id) read by one."""
 
     def __init__(self, watched: dict[int, str]) -> None:
         super().__init__()
@@ -609,7 +626,7 @@ class _UseWatch(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self.inside == 0 and (self.watched or self.inputs):
+        if self.inside == 0 and (self.watched or self.inputs) and func not in _METADATA:
             for t in tree_leaves((args, kwargs)):
                 if not isinstance(t, Tensor):
                     continue

@@ -712,6 +712,37 @@ class _Mixing(nn.Module):
         return self.fc(x - x.mean(0))
 
 
+class _DeviceRead(nn.Module):
+    """Reads a parameter's metadata only (``next(self.parameters()).device``), as Hugging
+    Face style models do: not a use of its values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        p = next(self.parameters())
+        assert p.dim() == 2 and p.size(0) == 2
+        return self.fc(x.to(device=p.device, dtype=p.dtype))
+
+
+class _PlainFc(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+def test_a_parameters_metadata_read_is_not_a_use() -> None:
+    x, y = torch.randn(3, 3, dtype=DTYPE), torch.tensor([0, 1, 1])
+    got = kron_factors(_build(_DeviceRead), [(x, y)])
+    ref = kron_factors(_build(_PlainFc), [(x, y)])  # the same weights, no metadata read
+    torch.testing.assert_close(got["fc.weight"].A, ref["fc.weight"].A, atol=0, rtol=0)
+    torch.testing.assert_close(got["fc.weight"].G, ref["fc.weight"].G, atol=0, rtol=0)
+
+
 def test_parameters_without_kronecker_factors_are_refused() -> None:
     x, y = torch.randn(3, 3, dtype=DTYPE), torch.tensor([0, 1, 1])
     with pytest.raises(

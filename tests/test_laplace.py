@@ -96,7 +96,7 @@ def test_subset_curvature_matches_dense(case_id: str, likelihood: str, hessian: 
     ref = dense_curvature(outs, targets, jacs, likelihood, hessian)
     torch.testing.assert_close(la.H, ref, atol=TOL, rtol=0)
     assert la.n_data == len(outs)
-    assert la.loss == pytest.approx(dense_loss(outs, targets, likelihood), abs=1e-9)
+    assert float(la.loss) == pytest.approx(dense_loss(outs, targets, likelihood), abs=1e-9)
     # a budget of 4 rows: one sample at a time, its outputs in slices of a few positions
     tiny = mj.SubnetLaplace(
         model,

@@ -163,7 +163,7 @@ def test_subnetwork_classification_usage() -> None:
     h = ggn(jacs, outs, 3)
     torch.testing.assert_close(la.H, h, atol=TOL, rtol=0)
     loss = nll(outs, list(y_train), 3)
-    assert la.loss == pytest.approx(loss, abs=TOL)
+    assert float(la.loss) == pytest.approx(loss, abs=TOL)
     theta = parameters_to_vector(model.parameters()).detach()[subnetwork_indices]
     # the marginal-likelihood optimisation, replayed on the dense formula: Adam on log prec
     log_prec = torch.zeros(1, dtype=DTYPE, requires_grad=True)
@@ -488,7 +488,7 @@ def test_diag_fit_streams_and_keeps_the_model() -> None:
     parts = Laplace(model, "classification", "all", "diag").fit([(x[:5], y[:5])])
     parts.fit(iter([(x[5:], y[5:])]), override=False)  # a one-shot iterator is fine
     torch.testing.assert_close(parts.H, whole.H, atol=1e-12, rtol=0)
-    assert parts.loss == pytest.approx(whole.loss, abs=1e-12)
+    assert float(parts.loss) == pytest.approx(float(whole.loss), abs=1e-12)
     assert parts.n_data == whole.n_data == 12
     whole(x[:3])
     whole.optimize_prior_precision(method="marglik", prior_structure="diag", n_steps=5)
@@ -516,7 +516,7 @@ def test_diag_fit_takes_the_loss_from_the_fishers_own_forward_passes(
         handle.remove()
     with torch.no_grad():
         ref = nn.functional.cross_entropy(model(x), y, reduction="sum")
-    assert la.loss == pytest.approx(float(ref), abs=1e-10)
+    assert float(la.loss) == pytest.approx(float(ref), abs=1e-10)
     assert la.n_data == 20
     big = [b for b in batched if b > 1]  # batch-of-one calls: shape and separability checks
     if method == "layerwise":

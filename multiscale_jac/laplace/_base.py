@@ -68,7 +68,7 @@ class LaplaceBase:
     :class:`~multiscale_jac.SubnetLaplace`'s), and the prior precision's forms.
 
     State of a fit: ``H`` (the curvature in the class's layout: ``(P, P)``, ``(P,)``; ``None``
-    before :meth:`fit`), ``loss`` (the negative log-likelihood at the MAP, at ``sigma = 1``),
+    before :meth:`fit`), ``loss`` (the negative log-likelihood at the MAP, at ``sigma = 1``; a float in ``_loss``),
     ``n_data``, ``n_outputs`` (laplace-torch's meaning: the size of dim 1 of the model's output
     after ``output_fn``, i.e. classes or regression outputs; ``None`` before :meth:`fit`) and
     ``_n_entries`` (regression output entries seen, the marginal likelihood's ``n_out``); ``_scale`` caches the posterior
@@ -136,7 +136,7 @@ class LaplaceBase:
         self.prior_mean = self._vector(prior_mean, "prior_mean", positive=False)
         self._prior_precision = self._prior_form(prior_precision, "prior_precision", positive=True)
         self.H: Any = None  # the curvature, in the class's layout
-        self.loss = 0.0
+        self._loss = 0.0
         self.n_data = 0
         self._n_entries = 0
         self.n_outputs: int | None = None
@@ -288,6 +288,12 @@ class LaplaceBase:
         return self.subset.to_flat_order(
             torch.repeat_interleave(t, torch.tensor(sizes, device=t.device))
         )
+
+    @property
+    def loss(self) -> Tensor:
+        """The negative log-likelihood at the MAP summed over the fitted data, at ``sigma = 1``
+        (a 0-d tensor, as laplace-torch's; 0 before :meth:`fit`)."""
+        return torch.tensor(self._loss, dtype=self.mean.dtype, device=self.mean.device)
 
     @property
     def n_params_subnet(self) -> int:

@@ -407,10 +407,10 @@ class SubsetCurvature(JacobianStream):
         reducer = Reducer(process_group)
         p = self.subset.numel
         previous = None if override or self.H is None else self.H
-        stats = (0.0, 0, 0) if previous is None else (self.loss, self.n_data, self._n_entries)
+        stats = (0.0, 0, 0) if previous is None else (self._loss, self.n_data, self._n_entries)
         # this rank's shard from zero, summed over the ranks at the end
         self.H = self.mean.new_zeros(p, p)
-        self.loss, self._n_entries = 0.0, 0
+        self._loss, self._n_entries = 0.0, 0
         seen = 0
         for batch in with_progress(reducer.shard(data), progress, f"{type(self).__name__}.fit"):
             inputs, targets = pair(batch)
@@ -434,14 +434,14 @@ class SubsetCurvature(JacobianStream):
             seen += packed.num_samples
         reducer.sum_([self.H])
         loss, seen_f, n_out = reducer.sum_numbers(
-            [self.loss, float(seen), float(self._n_entries)], self.H
+            [self._loss, float(seen), float(self._n_entries)], self.H
         )
         if seen_f == 0:
             self.H = previous
             raise ValueError("data yielded no samples")
         if previous is not None:
             self.H += previous
-        self.loss = stats[0] + loss
+        self._loss = stats[0] + loss
         self.n_data = stats[1] + int(seen_f)
         self._n_entries = stats[2] + int(n_out)
         self._scale = None
@@ -458,7 +458,7 @@ class SubsetCurvature(JacobianStream):
         y = y[a:b].to(out.dtype) if regression else y[a:b]
         valid = None if regression else y != self.ignore_index
         rows = out.reshape(1, -1) if regression else out.unsqueeze(0)
-        self.loss += float(nll_sum(rows, y.unsqueeze(0), self.likelihood, 1.0, self.ignore_index))
+        self._loss += float(nll_sum(rows, y.unsqueeze(0), self.likelihood, 1.0, self.ignore_index))
         self._n_entries += out.numel() if regression else 0
         if block.ggn is not None:  # a whole sample's curvature (or gradient), computed already
             if block.ggn.dim() == 1:
@@ -631,9 +631,9 @@ class DiagCurvature(LaplaceBase):
         loss = float(res.loss)  # type: ignore[arg-type]
         n_out = res.num_outputs if self.likelihood is Likelihood.REGRESSION else 0
         if override or self.H is None:
-            self.H, self.loss, self.n_data, self._n_entries = h, loss, 0, 0
+            self.H, self._loss, self.n_data, self._n_entries = h, loss, 0, 0
         else:
-            self.H, self.loss = self.H + h, self.loss + loss
+            self.H, self._loss = self.H + h, self._loss + loss
         self.n_data += res.num_samples
         self._n_entries += int(n_out)
         self.n_outputs = res.output_dim

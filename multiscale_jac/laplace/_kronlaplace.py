@@ -69,11 +69,11 @@ class KronCurvature(LaplaceBase):
         n_new = res.num_data
         n_out = _regression_outputs(res, self.likelihood)
         if override or self.H is None:
-            self.H, self.loss, self.n_data, self._n_entries = h, 0.0, 0, 0
+            self.H, self._loss, self.n_data, self._n_entries = h, 0.0, 0, 0
         else:
             total = self.n_data + n_new
             self.H = self.H.scaled(self.n_data / total) + h.scaled(n_new / total)
-        self.loss += float(res.loss)
+        self._loss += float(res.loss)
         self.n_data += n_new
         self._n_entries += n_out
         self.n_outputs = res.output_dim

@@ -46,7 +46,7 @@ class MarginalLikelihood(Posterior):
         self._fitted()
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
         sigma_t = torch.as_tensor(sigma, dtype=self.mean.dtype, device=self.mean.device)
-        ll = -self.loss / (sigma_t**2 * self.temperature)
+        ll = -self._loss / (sigma_t**2 * self.temperature)
         if self.likelihood is Likelihood.REGRESSION:
             ll = ll - self._n_entries * torch.log(sigma_t * math.sqrt(2 * math.pi))
         return ll

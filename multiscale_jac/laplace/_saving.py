@@ -57,7 +57,7 @@ class Saving(LaplaceBase):
             "parameter_shapes": [[n, list(p.shape)] for n, p in self.model.named_parameters()],
             "mean": self.mean,
             "H": self._h_state(h),
-            "loss": self.loss,
+            "loss": self._loss,
             "prior_mean": self.prior_mean,
             "prior_precision": self.prior_precision,
             "sigma_noise": self.sigma_noise,
@@ -114,7 +114,7 @@ class Saving(LaplaceBase):
         self.temperature = check_positive_number(state_dict["temperature"], "temperature")
         self.sigma_noise = state_dict["sigma_noise"]
         self.enable_backprop = check_bool(state_dict["enable_backprop"], "enable_backprop")
-        self.H, self.loss = h, float(state_dict["loss"])
+        self.H, self._loss = h, float(state_dict["loss"])
         self.n_data, self._n_entries = int(state_dict["n_data"]), int(state_dict["n_entries"])
         self.n_outputs = state_dict["n_outputs"]
         self._scale = None
