@@ -383,3 +383,21 @@ def test_backend_jacobians(structure: str) -> None:
     last = Laplace(model, "regression", "last_layer", structure)
     js, _ = last.backend.last_layer_jacobians(x)
     torch.testing.assert_close(js, torch.stack(jacs)[..., -14:], atol=TOL, rtol=0)  # 6*2 + 2
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_log_prob_is_the_gaussians(structure: str) -> None:
+    model = mlp(2)
+    la = Laplace(model, "regression", "all", structure, prior_precision=0.7)
+    theta = torch.randn(la.n_params, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+    prior = torch.distributions.Normal(la.mean, math.sqrt(1 / 0.7))
+    torch.testing.assert_close(la.log_prob(theta), prior.log_prob(theta).sum())
+    la.fit(regression_data())
+    post = torch.distributions.MultivariateNormal(la.mean, covariance_matrix=covariance(la))
+    torch.testing.assert_close(la.log_prob(theta), post.log_prob(theta))
+    d = theta - la.mean
+    torch.testing.assert_close(
+        la.log_prob(theta, normalized=False), -0.5 * d @ torch.linalg.solve(covariance(la), d)
+    )
+    with pytest.raises(ValueError, match=r"value must be \(P="):
+        la.log_prob(theta[:3])

@@ -42,6 +42,29 @@ class MarginalLikelihood(Posterior):
         delta = self.mean - self.prior_mean
         return (delta * self.prior_precision_diag) @ delta
 
+    def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:
+        """The posterior's log density at ``value`` ``(P,)`` (the prior's before :meth:`fit`),
+        laplace-torch's call; ``normalized=False`` leaves out ``0.5 (log det P_post - P log
+        2 pi)``."""
+        if not isinstance(value, Tensor) or value.shape != (self.subset.numel,):
+            what = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"value must be (P={self.subset.numel},); got {what}")
+        d = value.to(self.mean) - self.mean
+        if self.H is None:
+            prior = self.prior_precision_diag
+            quad, logdet = (d * prior) @ d, prior.log().sum()
+        else:
+            post = self.posterior_precision
+            if isinstance(post, Tensor):
+                quad = d @ (post @ d) if post.dim() == 2 else (d * post) @ d
+            else:
+                quad = d @ post.matmul(d)
+            logdet = self._posterior_logdet(self.prior_precision_diag, None)
+        out = -0.5 * quad
+        if check_bool(normalized, "normalized"):
+            out = out + 0.5 * (logdet - d.numel() * math.log(2 * math.pi))
+        return out
+
     def _log_likelihood(self, sigma_noise: Any = None) -> Tensor:
         self._fitted()
         sigma = self.sigma_noise if sigma_noise is None else sigma_noise
