@@ -183,7 +183,7 @@ def test_what_laplace_torch_refuses() -> None:
     assert kron_factors(conv3d, loader)["0.weight"].A.shape == (9, 9)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "shared"])
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
 def test_kron_laplace_posterior_matches(name: str, likelihood: str) -> None:
     """``multiscale_jac.KronLaplace`` against laplace-torch's ``KronLaplace`` (CurvlinopsGGN):
@@ -200,7 +200,10 @@ def test_kron_laplace_posterior_matches(name: str, likelihood: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs.fit(loader)
-    ours = mj.KronLaplace(model, likelihood, sigma_noise=sigma, prior_precision=0.7)
+    # backend= named: laplace-torch's bias block for a layer called twice ("shared")
+    ours = mj.KronLaplace(
+        model, likelihood, sigma_noise=sigma, prior_precision=0.7, backend="CurvlinopsGGN"
+    )
     ours.fit(loader)
     p_ours, p_theirs = ours.posterior_precision.to_matrix(), theirs.posterior_precision.to_matrix()
     assert _rel(p_ours, p_theirs) < 1e-10

@@ -125,6 +125,27 @@ def test_ragged_pyramids_equal_the_samples_one_at_a_time() -> None:
     assert whole.n_data == one.n_data == 4 and whole._n_entries == one._n_entries
 
 
+def test_bias_block_of_a_head_called_per_level() -> None:
+    """A head called once per pyramid level (``c`` calls): the bias block is ``c G`` (the bias
+    row of the weight's augmented ``A``), laplace-torch's ``G`` when a backend is named."""
+    torch.manual_seed(0)
+    model = SharedHeadFPN((3, 4), width=4, num_outputs=2).to(DTYPE).eval()
+    samples = ragged_samples([[(5, 6), (3, 3)], [(4, 4), (2, 2)]], [3, 4], seed=2)
+    with torch.no_grad():
+        targets = [torch.randn_like(model([t[None] for t in s])[0]) for s in samples]
+    subset = mj.ParamSubset.from_names(model, ["head.6.*"])
+    res = kron_factors(model, [(samples, targets)], params=subset, likelihood="regression")
+    f = res["head.6.bias"]
+    calls = float(f.A[-1, -1])
+    assert calls == pytest.approx(2.0)  # the head runs on both levels
+    own = mj.KronLaplace(model, "regression", subset).fit([(samples, targets)])
+    named = mj.KronLaplace(model, "regression", subset, backend="CurvlinopsGGN")
+    named.fit([(samples, targets)])
+    torch.testing.assert_close(own.H.blocks[1].factors[0], calls * f.G, atol=TOL, rtol=0)
+    torch.testing.assert_close(named.H.blocks[1].factors[0], f.G, atol=TOL, rtol=0)
+    torch.testing.assert_close(own.H.blocks[0].dense(), named.H.blocks[0].dense())
+
+
 def test_online_fit_adds_as_laplace_torch() -> None:
     model, data = _mlp(), _data("regression")
     la = mj.KronLaplace(model, "regression", sigma_noise=0.3).fit(data)

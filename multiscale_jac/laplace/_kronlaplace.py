@@ -65,7 +65,7 @@ class KronCurvature(LaplaceBase):
             progress=show,
             **self._kron_options,
         )
-        h = _blocks(res, self.subset)
+        h = _blocks(res, self.subset, laplace_torch=self._backend_name is not None)
         n_new = res.num_data
         n_out = _regression_outputs(res, self.likelihood)
         if override or self.H is None:
@@ -81,14 +81,19 @@ class KronCurvature(LaplaceBase):
         return self
 
 
-def _blocks(res: KronResult, subset: ParamSubset) -> KronCurvatureFactors:
-    """One block per selected tensor, in the flat order: weight ``[G, A_w]``, bias ``[c G]``."""
+def _blocks(
+    res: KronResult, subset: ParamSubset, laplace_torch: bool = False
+) -> KronCurvatureFactors:
+    """One block per selected tensor, in the flat order: weight ``[G, A_w]``, bias ``[c G]``
+    (``c``: the layer's calls per sample, the bias row of the weight's augmented ``A``);
+    ``laplace_torch``: the bias ``[G]``, as curvlinops' separate bias (the same for a layer
+    called once per forward)."""
     by_name: dict[str, list[Tensor]] = {}
     for f in res.layers:
         if f.weight is not None:
             by_name[f.weight] = [f.G, f.weight_A]
         if f.bias is not None:
-            by_name[f.bias] = [f.G * f.A[-1, -1]]
+            by_name[f.bias] = [f.G if laplace_torch else f.G * f.A[-1, -1]]
     order = sorted(subset.offsets, key=lambda n: subset.offsets[n][0])
     return KronCurvatureFactors([KronBlock(n, by_name[n]) for n in order])
 
