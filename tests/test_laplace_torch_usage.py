@@ -444,7 +444,7 @@ def test_factory_choices_and_errors() -> None:
     cases = [
         ({"subset_of_weights": "everything"}, ValueError, "unknown subset_of_weights 'everything'"),
         ({"hessian_structure": "lowrank"}, ValueError, "'lowrank' has no counterpart"),
-        ({"subset_of_weights": "subnetwork"}, ValueError, "needs subnetwork_indices"),
+        ({"subset_of_weights": "subnetwork"}, TypeError, "needs subnetwork_indices"),
         (
             {"subnetwork_indices": torch.tensor([1])},
             ValueError,
@@ -462,7 +462,7 @@ def test_factory_choices_and_errors() -> None:
         ),
         (
             {"subset_of_weights": "subnetwork", "subnetwork_indices": [1, 2]},
-            TypeError,
+            ValueError,  # and a TypeError (ArgumentTypeError)
             "1-d LongTensor; got list",
         ),
         ({"backend": object}, ValueError, "unknown backend 'object'"),

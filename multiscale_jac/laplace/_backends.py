@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..enums import HessianKind, parse_enum
+from ..enums import HessianKind, SubsetOfWeights, parse_enum
 
 __all__ = ["BACKENDS", "CurvatureBackend", "backend_hessian"]
 
@@ -131,7 +131,7 @@ class CurvatureBackend:
         """laplace-torch's ``backend.last_layer_jacobians``: :meth:`jacobians`, for a posterior
         over the last layer (refused for another subset: this backend has no feature
         extractor)."""
-        if not self._la._last_layer:
+        if self._la.subset_of_weights is not SubsetOfWeights.LAST_LAYER:
             raise ValueError(
                 "last_layer_jacobians: this posterior is not over the last layer; use "
                 "jacobians(x), over its own entries"

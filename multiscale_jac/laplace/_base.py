@@ -35,6 +35,7 @@ from ..enums import (
     InputKind,
     Likelihood,
     Randomness,
+    SubsetOfWeights,
     parse_enum,
 )
 from ..subset import ParamSubset
@@ -141,9 +142,9 @@ class LaplaceBase:
         self._n_entries = 0
         self.n_outputs: int | None = None
         self._fallbacks: list[str] = []
-        #: built by ``Laplace(subset_of_weights="last_layer")`` (``la.backend``'s
-        #: ``last_layer_jacobians``)
-        self._last_layer = False
+        #: laplace-torch's ``subset_of_weights`` where :func:`Laplace` built this posterior
+        #: (``None``: a class called directly)
+        self.subset_of_weights: SubsetOfWeights | None = None
         self._model_kwargs: dict[str, Any] = {}  # la(x, **model_kwargs) while it runs
         self._memo = None
 

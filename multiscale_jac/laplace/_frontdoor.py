@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..enums import HessianStructure, Likelihood, SubsetOfWeights, parse_enum
+from ..enums import ArgumentTypeError, HessianStructure, Likelihood, SubsetOfWeights, parse_enum
 from ..subset import ParamSubset
 from ._diag import DiagLaplace
 from ._kronlaplace import KronLaplace
@@ -101,7 +101,7 @@ def Laplace(  # laplace-torch's name
         temperature=temperature,
         **library_options,
     )
-    la._last_layer = which is SubsetOfWeights.LAST_LAYER
+    la.subset_of_weights = which
     return la
 
 
@@ -206,7 +206,7 @@ def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -
             return ParamSubset.all(model, trainable_only=True)
         return _last_layer(model)
     if indices is None:
-        raise ValueError(
+        raise ArgumentTypeError(  # a missing argument: TypeError, as laplace-torch
             "subset_of_weights='subnetwork' needs subnetwork_indices: a 1-d LongTensor of "
             "indices into parameters_to_vector(model.parameters()), or a ParamSubset"
         )
@@ -219,7 +219,7 @@ def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -
             if isinstance(indices, Tensor)
             else type(indices).__name__
         )
-        raise TypeError(f"subnetwork_indices must be a 1-d LongTensor; got {what}")
+        raise ArgumentTypeError(f"subnetwork_indices must be a 1-d LongTensor; got {what}")
     try:
         return ParamSubset.from_flat_indices(model, indices)
     except (TypeError, ValueError) as err:
