@@ -69,11 +69,12 @@ class LaplaceBase:
     :class:`~multiscale_jac.SubnetLaplace`'s), and the prior precision's forms.
 
     State of a fit: ``H`` (the curvature in the class's layout: ``(P, P)``, ``(P,)``; ``None``
-    before :meth:`fit`), ``loss`` (the negative log-likelihood at the MAP, at ``sigma = 1``; a float in ``_loss``),
-    ``n_data``, ``n_outputs`` (laplace-torch's meaning: the size of dim 1 of the model's output
-    after ``output_fn``, i.e. classes or regression outputs; ``None`` before :meth:`fit`) and
-    ``_n_entries`` (regression output entries seen, the marginal likelihood's ``n_out``); ``_scale`` caches the posterior
-    form's scale until the curvature or the prior change.
+    before :meth:`fit`), ``loss`` (the negative log-likelihood at the MAP, at ``sigma = 1``;
+    a float in ``_loss``), ``n_data``, ``n_outputs`` (laplace-torch's meaning: the size of
+    dim 1 of the model's output after ``output_fn``, i.e. classes or regression outputs;
+    ``None`` before :meth:`fit`) and ``_n_entries`` (regression output entries seen, the
+    marginal likelihood's ``n_out``); ``_scale`` caches the posterior form's scale until the
+    curvature or the prior change.
     """
 
     _prep: Prepared
@@ -310,8 +311,9 @@ class LaplaceBase:
         return DictPairs(data, self.dict_key_x, self.dict_key_y)
 
     def _inputs(self, inputs: Any) -> Any:
-        """Predictive inputs: a dict batch without its ``dict_key_y`` entry (see :meth:`_data`)."""
-        if isinstance(inputs, Mapping):
+        """Predictive inputs: a dict batch (holding ``dict_key_x`` and ``dict_key_y``) without
+        its ``dict_key_y`` entry (see :meth:`_data`); a dict of levels passes unchanged."""
+        if isinstance(inputs, Mapping) and {self.dict_key_x, self.dict_key_y} <= set(inputs):
             return {k: v for k, v in inputs.items() if k != self.dict_key_y}
         return inputs
 
