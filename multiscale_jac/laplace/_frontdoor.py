@@ -223,7 +223,9 @@ def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -
     try:
         return ParamSubset.from_flat_indices(model, indices)
     except (TypeError, ValueError) as err:
-        raise type(err)(f"subnetwork_indices: {err}") from None
+        # a wrong dtype: a TypeError and, as laplace-torch raises, a ValueError
+        cls = ArgumentTypeError if isinstance(err, TypeError) else ValueError
+        raise cls(f"subnetwork_indices: {err}") from None
 
 
 def _last_layer(model: nn.Module) -> ParamSubset:
