@@ -22,7 +22,8 @@ Needs laplace-torch (and this repo on ``PYTHONPATH``); run it in the laplace-tor
 
     PYTHONPATH=$PWD /tmp/lt/bin/python benchmarks/bench_kron.py [--n 48] [--channels 32]
 
-Writes ``benchmarks/results/bench_kron.json`` and prints a table.
+Writes ``benchmarks/results/bench_kron.json`` and the table, also printed, to
+``benchmarks/results/bench_kron.md`` (docs/benchmarks.md includes it).
 """
 
 from __future__ import annotations
@@ -219,8 +220,11 @@ def main() -> int:
         rows.append(
             [name, fmt_seconds(seconds[name]), f"{seconds[name] / step:.2f}", fmt_bytes(mem)]
         )
-    print(markdown_table(["method", "seconds", "x train step", "peak RSS rise"], rows))
-    print(f"posterior precision: largest relative difference {rel:.1e}")
+    table = markdown_table(["method", "seconds", "x train step", "peak RSS rise (MiB)"], rows)
+    note = f"posterior precision: largest relative difference {rel:.1e}"
+    print(table)
+    print(note)
+    (Path(args.out) / "bench_kron.md").write_text(f"{table}\n\n{note}\n")
     import laplace
 
     env = env_stamp("cpu")
