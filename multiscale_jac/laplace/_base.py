@@ -96,7 +96,7 @@ class LaplaceBase:
         chunk_size: int | None = None,
         memory_budget: int | None = None,
         randomness: str | Randomness = "error",
-        batch_norm: str | BatchNormPolicy = "eval",
+        batch_norm: str | BatchNormPolicy = "error",
         strict: bool = False,
         entries: str | Entries = "auto",
         enable_backprop: bool = False,

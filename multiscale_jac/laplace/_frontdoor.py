@@ -54,6 +54,7 @@ def Laplace(  # laplace-torch's name
         prior_mean: A number or a ``(P,)`` vector.
         temperature: ``T``; the curvature is divided by it.
         **library_options: The classes' other keyword arguments (``hessian``, ``output_fn``,
+            ``batch_norm``: ``"eval"`` by default here, as laplace-torch fits in eval mode,
             ``memory_budget``, ``chunk_size``, ...; see :class:`SubnetLaplace`,
             :class:`DiagLaplace` and :class:`KronLaplace`), and laplace-torch's ``backend=``
             (a curvature backend class or its name: a GGN backend means ``hessian="ggn"``, an
@@ -91,6 +92,8 @@ def Laplace(  # laplace-torch's name
         HessianStructure.KRON: KronLaplace,
         HessianStructure.FULL: SubnetLaplace,
     }[structure]
+    # laplace-torch fits in eval mode: BatchNorm layers in train mode use running statistics
+    library_options.setdefault("batch_norm", "eval")
     la = cls(
         model,
         likelihood,

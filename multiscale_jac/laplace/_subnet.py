@@ -35,11 +35,9 @@ class SubnetLaplace(SubsetCurvature, Predictive, MarginalLikelihood, Saving):
             32 MiB of Jacobian rows at a time and the engine's default working set.
         randomness: ``error``, ``different`` or ``same``, as in ``torch.func.vmap``; the
             outputs and Jacobians of a sample come from one pass (one set of masks).
-        batch_norm: BatchNorm layers in train mode: ``"eval"`` (the default here, as
-            laplace-torch, which fits in eval mode: they run on their running statistics
-            while this posterior runs the model; the model's own mode is never changed) or
-            ``"error"``. A posterior is over one function at the MAP, so batch statistics,
-            which make a sample's output depend on its batch, are not used.
+        batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode (the shared
+            option; :func:`Laplace`, laplace-torch's front door, defaults to ``"eval"`` as
+            laplace-torch fits in eval mode; the model's own mode is never changed).
         strict: Raise instead of letting the engine fall back to another strategy.
         entries: How the engine forms single-entry columns (``auto``, ``structured`` or
             ``generic``; see :func:`~multiscale_jac.per_sample_jacobian`).
