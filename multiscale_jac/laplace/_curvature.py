@@ -295,11 +295,12 @@ class JacobianStream(LaplaceBase):
         for i in range(packed.num_samples):
             levels = tuple(packed.sample(i))
 
-            def out(t: Tensor, levels: tuple[Tensor, ...] = levels) -> Tensor:
-                return fn.call(fn.full_params(tuple(self.subset.split(t).values())), levels)
+            def out(t: Tensor, levels: tuple[Tensor, ...] = levels) -> tuple[Tensor, Tensor]:
+                flat = fn.call(fn.full_params(tuple(self.subset.split(t).values())), levels)
+                return flat, flat  # the output itself comes back as the aux (one model run)
 
             with torch.enable_grad():
-                jac, flat = torch.func.jacrev(out, has_aux=False)(theta), out(theta)
+                jac, flat = torch.func.jacrev(out, has_aux=True)(theta)
             shape = fn.output_fn.last.shape[1:]  # type: ignore[union-attr]
             rows = self._rows(flat, shape)
             yield Block(i, rows, jac, (0, rows.shape[-1]), shape)
