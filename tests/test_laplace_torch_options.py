@@ -390,9 +390,13 @@ def test_log_prob_is_the_gaussians(structure: str) -> None:
     model = mlp(2)
     la = Laplace(model, "regression", "all", structure, prior_precision=0.7)
     theta = torch.randn(la.n_params, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
-    prior = torch.distributions.Normal(la.mean, math.sqrt(1 / 0.7))
+    zero = torch.zeros(la.n_params, dtype=DTYPE)
+    torch.testing.assert_close(la.mean, zero, atol=0, rtol=0)  # unfitted: the prior's mean
+    prior = torch.distributions.Normal(zero, math.sqrt(1 / 0.7))
     torch.testing.assert_close(la.log_prob(theta), prior.log_prob(theta).sum())
     la.fit(regression_data())
+    map_ = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(la.mean, map_, atol=0, rtol=0)  # fitted: the MAP
     post = torch.distributions.MultivariateNormal(la.mean, covariance_matrix=covariance(la))
     torch.testing.assert_close(la.log_prob(theta), post.log_prob(theta))
     d = theta - la.mean
@@ -401,3 +405,15 @@ def test_log_prob_is_the_gaussians(structure: str) -> None:
     )
     with pytest.raises(ValueError, match=r"value must be \(P="):
         la.log_prob(theta[:3])
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_functional_variance_fast_is_the_marginal_glm_variance(structure: str) -> None:
+    la = fitted(structure)
+    x = torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(7))
+    outs, jacs = jacobians(la.model, [xi[None] for xi in x])
+    mean, var = la.functional_variance_fast(x)
+    sigma = covariance(la)
+    torch.testing.assert_close(mean, torch.stack(outs), atol=TOL, rtol=0)
+    ref = torch.stack([torch.diagonal(j @ sigma @ j.T) for j in jacs])
+    torch.testing.assert_close(var, ref, atol=TOL, rtol=0)

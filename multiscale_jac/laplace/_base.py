@@ -131,11 +131,17 @@ class LaplaceBase:
         self.memory_budget = check_memory_budget(memory_budget)
         self.strict = check_bool(strict, "strict")
         self.entries = parse_enum(Entries, entries, "entries")
-        self.mean = self.subset.flatten(self.subset.check_model(model)).detach().clone()
+        #: the MAP: the model's values of the subset at construction (the predictive runs the
+        #: model itself, so they must stay its values)
+        self._map = self.subset.flatten(self.subset.check_model(model)).detach().clone()
+        self.mean = self._map  # dtype and device for the checks below; the prior mean after
         self.temperature = check_positive_number(temperature, "temperature")
         self._scale: Tensor | None = None
         self.sigma_noise = sigma_noise
         self.prior_mean = self._vector(prior_mean, "prior_mean", positive=False)
+        #: the posterior's mean: the prior mean until :meth:`fit` (an unfitted posterior is
+        #: the prior, as laplace-torch's), the MAP after
+        self.mean = self.prior_mean.detach().clone()
         self._prior_precision = self._prior_form(prior_precision, "prior_precision", positive=True)
         self.H: Any = None  # the curvature, in the class's layout
         self._loss = 0.0
@@ -172,7 +178,9 @@ class LaplaceBase:
 
     @contextlib.contextmanager
     def _fitting(self) -> Iterator[None]:
-        """Inside a fit: ``reward_modeling`` is a classification (of preference pairs)."""
+        """Inside a fit: the mean becomes the MAP; ``reward_modeling`` is a classification (of
+        preference pairs)."""
+        self.mean = self._map
         if not self._reward:
             yield
             return

@@ -291,7 +291,7 @@ class JacobianStream(LaplaceBase):
         (one sample at a time), keeping the graph to inputs that require grad (the engine
         runs without one)."""
         fn = self._function(packed)
-        theta = self.mean
+        theta = self._map
         for i in range(packed.num_samples):
             levels = tuple(packed.sample(i))
 

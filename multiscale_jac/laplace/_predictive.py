@@ -205,6 +205,15 @@ class Predictive(Posterior, JacobianStream):
             return _per_sample(samples, _softmax, batched=False)
         return samples
 
+    def functional_variance_fast(
+        self, x: Any
+    ) -> tuple[Tensor | list[Tensor], Tensor | list[Tensor]]:
+        """laplace-torch's call: the GLM mean ``f(x)`` and the marginal variances of ``f``, both
+        shaped like the outputs (``(N, O)`` for vector outputs), without any ``O x O``
+        covariance."""
+        p = self._predictive(x, LinkApprox.PROBIT, 1, None, covariance=False)
+        return p.mean, p.variance
+
     def predictive(
         self,
         inputs: Any,

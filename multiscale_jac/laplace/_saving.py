@@ -103,7 +103,7 @@ class Saving(LaplaceBase):
             state_dict["subnetwork_indices"].cpu(), self.subset.flat_indices().cpu()
         ):
             raise ValueError("load_state_dict: different subset entries (subnetwork_indices)")
-        if not torch.allclose(mean, self.mean):
+        if not torch.allclose(mean, self._map):
             raise ValueError(
                 "load_state_dict: the model's values of the subset differ from the saved MAP "
                 "(load the model's weights first: the predictive runs the model)"
@@ -114,7 +114,7 @@ class Saving(LaplaceBase):
         self.temperature = check_positive_number(state_dict["temperature"], "temperature")
         self.sigma_noise = state_dict["sigma_noise"]
         self.enable_backprop = check_bool(state_dict["enable_backprop"], "enable_backprop")
-        self.H, self._loss = h, float(state_dict["loss"])
+        self.H, self._loss, self.mean = h, float(state_dict["loss"]), self._map
         self.n_data, self._n_entries = int(state_dict["n_data"]), int(state_dict["n_entries"])
         self.n_outputs = state_dict["n_outputs"]
         self._scale = None
