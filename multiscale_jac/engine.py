@@ -67,6 +67,7 @@ from .enums import (
     Tune,
     UnsupportedOpError,
     parse_enum,
+    parse_tune,
 )
 from .packing import PackedBatch
 from .reference import loop_jacobian
@@ -136,7 +137,7 @@ def per_sample_jacobian(
     batch_norm: str | BatchNormPolicy = "error",
     strict: bool = False,
     input_kind: str | InputKind | None = None,
-    tune: str | Tune = "auto",
+    tune: str | bool | Tune = "auto",
 ) -> JacobianResult:
     """Per-sample Jacobians of ``model``'s outputs w.r.t. a subset of its parameters.
 
@@ -199,7 +200,7 @@ def per_sample_jacobian(
         memory_budget=check_memory_budget(memory_budget),
         randomness=prep.randomness,
         strict=check_bool(strict, "strict"),
-        tune=parse_enum(Tune, tune, "tune"),
+        tune=parse_tune(tune),
     )
     result = run_engine(prep.function(prep.packed), prep.packed, options)
     warn_fallback([result.fallback])

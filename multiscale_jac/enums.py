@@ -38,6 +38,7 @@ __all__ = [
     "Tune",
     "UnsupportedOpError",
     "parse_enum",
+    "parse_tune",
 ]
 
 
@@ -97,11 +98,22 @@ class Tune(_StrEnum):
     samples of its own; the shortlist spans 4x, 32x on a deep model; a job whose loop would
     take under 0.1 s runs the cheapest plan without surveying; nothing is timed under a
     ``memory_budget``). Timed samples stay in the
-    result; the choice is cached per shapes (docs/design.md, "How auto chooses")."""
+    result; the choice is cached per shapes (docs/design.md, "How auto chooses"). ``True``
+    means ``measure`` and ``False`` ``estimate`` on every entry point that takes ``tune``."""
 
     AUTO = "auto"
     MEASURE = "measure"
     ESTIMATE = "estimate"
+
+
+def parse_tune(value: object) -> Tune:
+    """``tune=``: a :class:`Tune` or its string, ``True`` (``measure``) or ``False``
+    (``estimate``)."""
+    if value is True:
+        return Tune.MEASURE
+    if value is False:
+        return Tune.ESTIMATE
+    return parse_enum(Tune, value, "tune")
 
 
 class Randomness(_StrEnum):

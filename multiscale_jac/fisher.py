@@ -77,7 +77,9 @@ from .enums import (
     Likelihood,
     MemoryBudgetError,
     Randomness,
+    Tune,
     parse_enum,
+    parse_tune,
 )
 from .layerwise import (
     DEFAULT_TEMP_BYTES,
@@ -167,12 +169,12 @@ def diag_fisher(
     generator: torch.Generator | None = None,
     process_group: Any = None,
     return_loss: bool = False,
+    tune: str | bool | Tune = "auto",
 ) -> DiagFisherResult:
     """Diagonal Fisher / GGN of the selected parameters, averaged over ``data``.
 
-    Options shared with the other entry points (``params``, ``output_fn``, ``chunk_size``,
-    ``memory_budget``, ``randomness``, ``batch_norm``, ``strict``, ``progress``,
-    ``process_group``) mean the same everywhere: see the options table in ``docs/design.md``.
+    Options shared with the other entry points mean the same everywhere: see the options
+    table in ``docs/design.md``.
 
     Args:
         model: Any ``nn.Module`` (never changed).
@@ -187,24 +189,23 @@ def diag_fisher(
         sigma_noise: Gaussian noise scale for ``regression``.
         ignore_index: Label of positions left out (classification).
         method: ``auto``, ``layerwise`` or ``vmap`` (see :class:`~multiscale_jac.FisherMethod`).
-        input_kind: How to read ``inputs`` where it is ambiguous (see
-            :func:`~multiscale_jac.pack`).
-        chunk_size: Samples per batched run (``layerwise``; default: a whole shape bucket, as a
-            training step would run it, or what ``memory_budget`` allows; ``auto`` times runs
-            of 32 and of up to 128 samples) or per vectorised call (``vmap``; default 32, on CPU
-            fewer where one tensor's per-sample gradients would take 32 MiB).
+        input_kind: How to read ambiguous ``inputs`` (:func:`~multiscale_jac.pack`).
+        chunk_size: Samples per batched run (``layerwise``; default: a shape bucket, or what
+            ``memory_budget`` allows; ``auto`` times 32 and up to 128) or per vectorised call
+            (``vmap``; default 32, on CPU fewer where a tensor's gradients would take 32 MiB).
         memory_budget: Bytes of the call's working set, the accumulators included.
-        randomness: ``error``, ``different`` or ``same`` for random ops such as dropout in
-            train mode, as in ``torch.func.vmap``.
+        randomness: ``error``, ``different`` or ``same`` for random ops, as ``torch.func.vmap``.
         batch_norm: ``"error"`` or ``"eval"`` for BatchNorm layers in train mode.
         strict: Raise instead of falling back (layer-wise to ``vmap``, or an engine fallback).
         progress: A tqdm bar over the batches when a terminal is attached.
         generator: Seeds the labels drawn for ``kind="mc"``.
-        process_group: With ``torch.distributed`` initialised, every rank processes its shard
-            of ``data`` and the sums are all-reduced once: every rank gets the whole result.
+        process_group: ``torch.distributed``: each rank takes its shard, sums all-reduced once.
         return_loss: Also sum the negative log-likelihood of the data's own targets at
             ``sigma_noise`` (:attr:`DiagFisherResult.loss`; from the same batched passes where
             a batch ran layer-wise, else one more forward pass of it without gradients).
+        tune: ``method="auto"``'s choice (:class:`~multiscale_jac.Tune`): ``auto`` times the
+            routes on a first batch of 16+ samples, ``measure`` (``True``) on any, ``estimate``
+            (``False``) never (layer-wise where the model has a plan).
 
     Returns:
         A :class:`DiagFisherResult`.
@@ -232,9 +233,10 @@ def diag_fisher(
         generator=check_generator(generator),
         strict=check_bool(strict, "strict"),
         loss=check_bool(return_loss, "return_loss"),
+        tune=parse_tune(tune),
     )
-    show = check_bool(progress, "progress")
-    return _stream(_FisherRun(prep, opts), data, show, Reducer(process_group))
+    run = _FisherRun(prep, opts)
+    return _stream(run, data, check_bool(progress, "progress"), Reducer(process_group))
 
 
 def _stream(run: _FisherRun, data: Iterable[Any], show: bool, reducer: Reducer) -> DiagFisherResult:
@@ -258,6 +260,7 @@ class _Options:
     generator: torch.Generator | None
     strict: bool
     loss: bool = False
+    tune: Tune = Tune.AUTO
 
 
 @dataclass
@@ -306,52 +309,25 @@ def _batch_loss(
     return loss
 
 
-class _FisherRun:
-    """The state across batches: the layer-wise plan, chunk sizes, sums, notes, fallbacks."""
+class _FisherTuning:
+    """``method="auto"``'s choice between the layer-wise run and ``vmap``: recalled from the
+    plan cache, or measured on the first batch (``tune``). A part of :class:`_FisherRun`,
+    whose state and runs it uses."""
 
-    def __init__(self, prep: Prepared, opts: _Options) -> None:
-        self.prep, self.opts, self.subset = prep, opts, prep.subset
-        self.plan = _initial_plan(prep, opts)
-        self.notes: list[str] = []
-        if isinstance(self.plan, str):
-            self.notes += [self.plan] if self.plan else []
-            self.plan = None
-        else:
-            self.notes += [f"{n}: {why} -> vmap" for n, why in self.plan.reasons.items()]
-        self.fallbacks: list[str] = []
-        self.exact_dense = False  # exact GGN of dense logits: no layer-wise factorisation
-        self.separable_checked = False
-        self.temp_bytes = DEFAULT_TEMP_BYTES
-        self.chunks: tuple[int | None, int] = (opts.chunk, opts.chunk or _VMAP_CHUNK)
-        self.shapes: dict[Any, torch.Size] = {}  # output shape per shape signature
-        self.totals: dict[str, Tensor] = {}
-        self.count = 0
-        self.tuned = False
-        self.key: Any = None  # the plan-cache key of the first batch (method="auto")
-        self.lw_chunk: int | None = None  # the layer-wise chunk ``auto`` chose
-        self.devices = [prep.device] if prep.device.type == "cuda" else []
-        self.loss = _LossSum(opts)
-        self.num_outputs = 0
-
-    # ------------------------------------------------------------------ per batch
-    def add(self, packed: PackedBatch, targets: Any) -> None:
-        device = self.prep.device
-        per_sample = [t.to(device) for t in split_targets(targets, len(packed))]
-        self.loss.start()
-        fn = self.prep.function(packed, output_fn=Capture(self.prep.output_fn, "diag_fisher"))
-        self._recall(packed)
-        per_sample = self._check_targets(fn, packed, per_sample)
-        self.num_outputs += sum(self.shapes[s].numel() for s in packed.signatures)
-        self.chunks = self._chunk_sizes(fn, packed)
-        if self.lw_chunk:
-            self.chunks = (self.lw_chunk, self.chunks[1])
-        if not self._tune(fn, packed, per_sample):
-            self._add_terms(fn, packed, per_sample)
-        self.loss.finish(fn, packed, per_sample)
+    opts: _Options
+    prep: Prepared
+    plan: LayerwisePlan | None
+    tuned: bool
 
     def _choosing(self) -> bool:
-        """``method="auto"`` with a layer-wise plan whose choice against ``vmap`` is open."""
-        return self.opts.method is FisherMethod.AUTO and self.plan is not None and not self.tuned
+        """``method="auto"`` with a layer-wise plan whose choice against ``vmap`` is open and
+        may be measured (``tune="estimate"``: the layer-wise run, nothing timed or recalled)."""
+        return (
+            self.opts.method is FisherMethod.AUTO
+            and self.plan is not None
+            and not self.tuned
+            and self.opts.tune is not Tune.ESTIMATE
+        )
 
     def _recall(self, packed: PackedBatch) -> None:
         """``method="auto"`` with a layer-wise plan, on the first batch: the choice cached for
@@ -389,7 +365,7 @@ class _FisherRun:
         if not self._choosing():
             return False
         self.tuned = True
-        if len(packed) < MIN_TUNE_SAMPLES:
+        if self.opts.tune is not Tune.MEASURE and len(packed) < MIN_TUNE_SAMPLES:
             return False
         bucket = max(packed.buckets(), key=lambda b: len(b.indices))
         n = len(bucket.indices)
@@ -458,6 +434,50 @@ class _FisherRun:
                 generator.set_state(state)
             self.plan, self.chunks = saved
         return elapsed[0] / len(idx)
+
+
+class _FisherRun(_FisherTuning):
+    """The state across batches: the layer-wise plan, chunk sizes, sums, notes, fallbacks."""
+
+    def __init__(self, prep: Prepared, opts: _Options) -> None:
+        self.prep, self.opts, self.subset = prep, opts, prep.subset
+        self.plan = _initial_plan(prep, opts)
+        self.notes: list[str] = []
+        if isinstance(self.plan, str):
+            self.notes += [self.plan] if self.plan else []
+            self.plan = None
+        else:
+            self.notes += [f"{n}: {why} -> vmap" for n, why in self.plan.reasons.items()]
+        self.fallbacks: list[str] = []
+        self.exact_dense = False  # exact GGN of dense logits: no layer-wise factorisation
+        self.separable_checked = False
+        self.temp_bytes = DEFAULT_TEMP_BYTES
+        self.chunks: tuple[int | None, int] = (opts.chunk, opts.chunk or _VMAP_CHUNK)
+        self.shapes: dict[Any, torch.Size] = {}  # output shape per shape signature
+        self.totals: dict[str, Tensor] = {}
+        self.count = 0
+        self.tuned = False
+        self.key: Any = None  # the plan-cache key of the first batch (method="auto")
+        self.lw_chunk: int | None = None  # the layer-wise chunk ``auto`` chose
+        self.devices = [prep.device] if prep.device.type == "cuda" else []
+        self.loss = _LossSum(opts)
+        self.num_outputs = 0
+
+    # ------------------------------------------------------------------ per batch
+    def add(self, packed: PackedBatch, targets: Any) -> None:
+        device = self.prep.device
+        per_sample = [t.to(device) for t in split_targets(targets, len(packed))]
+        self.loss.start()
+        fn = self.prep.function(packed, output_fn=Capture(self.prep.output_fn, "diag_fisher"))
+        self._recall(packed)
+        per_sample = self._check_targets(fn, packed, per_sample)
+        self.num_outputs += sum(self.shapes[s].numel() for s in packed.signatures)
+        self.chunks = self._chunk_sizes(fn, packed)
+        if self.lw_chunk:
+            self.chunks = (self.lw_chunk, self.chunks[1])
+        if not self._tune(fn, packed, per_sample):
+            self._add_terms(fn, packed, per_sample)
+        self.loss.finish(fn, packed, per_sample)
 
     def _add_terms(
         self, fn: PerSampleFunction, packed: PackedBatch, per_sample: list[Tensor]

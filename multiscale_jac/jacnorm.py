@@ -62,6 +62,7 @@ from .enums import (
     Randomness,
     Tune,
     parse_enum,
+    parse_tune,
 )
 from .layerwise import LayerwisePlan, NotLayerwiseError, batched_run, plan_layers
 from .subset import ParamSubset
@@ -106,7 +107,7 @@ def jacobian_sq_norm(
     strict: bool = False,
     progress: bool = False,
     generator: torch.Generator | None = None,
-    tune: str | Tune = "auto",
+    tune: str | bool | Tune = "auto",
     accumulate_grad: bool = False,
     scale: float = 1.0,
     process_group: Any = None,
@@ -172,7 +173,7 @@ def jacobian_sq_norm(
         strict=check_bool(strict, "strict"),
         progress=check_bool(progress, "progress"),
         generator=check_generator(generator),
-        tune=parse_enum(Tune, tune, "tune"),
+        tune=parse_tune(tune),
     )
     if not accumulate_grad:
         leaves = list(job.trainable.values())
@@ -208,7 +209,7 @@ def jacobian_sq_norm_backward(
     strict: bool = False,
     progress: bool = False,
     generator: torch.Generator | None = None,
-    tune: str | Tune = "auto",
+    tune: str | bool | Tune = "auto",
     scale: float = 1.0,
     process_group: Any = None,
 ) -> Tensor:

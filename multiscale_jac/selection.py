@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ._checks import check_positive_number
-from .enums import BatchNormPolicy, FisherKind, InputKind, Likelihood, Randomness
+from .enums import BatchNormPolicy, FisherKind, InputKind, Likelihood, Randomness, Tune
 from .fisher import diag_fisher
 from .subset import ParamSubset
 
@@ -42,6 +42,7 @@ def largest_variance(
     progress: bool = False,
     generator: torch.Generator | None = None,
     process_group: Any = None,
+    tune: str | bool | Tune = "auto",
 ) -> ParamSubset:
     """The ``k`` entries with the largest marginal variance under a diagonal Laplace
     (Daxberger et al. 2021): ``1 / (sum_i diag GGN_i + prior_precision)``.
@@ -70,6 +71,8 @@ def largest_variance(
         progress: Shared option.
         generator: Seeds the labels of ``kind="mc"``.
         process_group: Shared option.
+        tune: Shared option (:class:`~multiscale_jac.Tune`; ``True``/``False``: measure or
+            estimate), for :func:`~multiscale_jac.diag_fisher`'s choice.
 
     Returns:
         The selected entries.
@@ -96,6 +99,7 @@ def largest_variance(
         progress=progress,
         generator=generator,
         process_group=process_group,
+        tune=tune,
     )
     variance = 1.0 / (res.flat * res.num_samples + prior)
     return ParamSubset.top(model, res.subset, variance, k, "largest_variance")

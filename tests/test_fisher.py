@@ -288,3 +288,28 @@ def test_vmap_chunks_keep_per_sample_gradients_under_32_mib(
         model, samples, kind_in, targets, mj.ParamSubset.all(model), "classification", "empirical"
     )
     torch.testing.assert_close(got.flat, loop, atol=TOL, rtol=0)  # the plain autograd loop
+
+
+@pytest.mark.parametrize(
+    "tune, probes", [("measure", True), (True, True), ("estimate", False), (False, False)]
+)
+def test_tune_decides_whether_the_fisher_measures(monkeypatch, tune, probes: bool) -> None:
+    """``tune``: ``measure``/``True`` times the routes on any first batch (here 6 samples, under
+    ``auto``'s 16), ``estimate``/``False`` never, not even with ``auto``'s threshold met; the
+    values are the same either way."""
+    from multiscale_jac._planning import COUNTS
+
+    mj.clear_plan_cache()
+    model = zoo_model("mlp_vectors")
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(6, 5, generator=g, dtype=DTYPE), torch.randint(3, (6,), generator=g)
+    if not probes:
+        monkeypatch.setattr(mj.fisher, "MIN_TUNE_SAMPLES", 1)  # auto would time this batch
+    before = COUNTS["probe"]
+    res = diag_fisher(model, [(x, y)], tune=tune, progress=False)
+    assert (COUNTS["probe"] > before) is probes
+    assert any(n.startswith("tune: timed") for n in res.notes) is probes
+    ref = diag_fisher(model, [(x, y)], method="layerwise", progress=False)
+    torch.testing.assert_close(res.flat, ref.flat, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="unknown tune 'sometimes'"):
+        diag_fisher(model, [(x, y)], tune="sometimes")

@@ -417,3 +417,23 @@ def test_functional_variance_fast_is_the_marginal_glm_variance(structure: str) -
     torch.testing.assert_close(mean, torch.stack(outs), atol=TOL, rtol=0)
     ref = torch.stack([torch.diagonal(j @ sigma @ j.T) for j in jacs])
     torch.testing.assert_close(var, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("structure", ["full", "diag"])
+def test_tune_reaches_the_fit(structure: str) -> None:
+    """``tune=True`` measures (the engine's routes, the Fisher's choice), ``False`` never; the
+    curvature is the same."""
+    from multiscale_jac._planning import COUNTS
+
+    model = mlp(3)
+    data = [(torch.randn(6, 4, dtype=DTYPE), torch.tensor([0, 1, 2, 0, 1, 2]))]
+    hs = []
+    for tune in (True, False):
+        mj.clear_plan_cache()
+        before = COUNTS["probe"]
+        la = Laplace(model, "classification", "all", structure, tune=tune).fit(data)
+        assert (COUNTS["probe"] > before) is tune
+        hs.append(la.H)
+    torch.testing.assert_close(hs[0], hs[1], atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="unknown tune"):
+        Laplace(model, "classification", "all", structure, tune="always")

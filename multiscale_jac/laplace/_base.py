@@ -36,7 +36,9 @@ from ..enums import (
     Likelihood,
     Randomness,
     SubsetOfWeights,
+    Tune,
     parse_enum,
+    parse_tune,
 )
 from ..subset import ParamSubset
 from ._backends import CurvatureBackend, backend_hessian
@@ -99,6 +101,7 @@ class LaplaceBase:
         batch_norm: str | BatchNormPolicy = "error",
         strict: bool = False,
         entries: str | Entries = "auto",
+        tune: str | bool | Tune = "auto",
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
@@ -131,6 +134,7 @@ class LaplaceBase:
         self.memory_budget = check_memory_budget(memory_budget)
         self.strict = check_bool(strict, "strict")
         self.entries = parse_enum(Entries, entries, "entries")
+        self.tune = parse_tune(tune)
         #: the MAP: the model's values of the subset at construction (the predictive runs the
         #: model itself, so they must stay its values)
         self._map = self.subset.flatten(self.subset.check_model(model)).detach().clone()

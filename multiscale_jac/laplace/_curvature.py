@@ -226,6 +226,7 @@ class JacobianStream(LaplaceBase):
             chunk_size=self.chunk_size,
             randomness=self._prep.randomness,
             strict=self.strict,
+            tune=self.tune,
         )
         row_bytes, engine_budget = self._budget(packed, shapes, options)
         options = dataclasses.replace(options, memory_budget=engine_budget)

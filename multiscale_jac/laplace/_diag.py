@@ -70,4 +70,5 @@ class DiagLaplace(DiagCurvature, Predictive, MarginalLikelihood, Saving):
             **self._batched_options(),
             "strict": self.strict,
             "method": parse_enum(FisherMethod, method, "method"),
+            "tune": self.tune,
         }

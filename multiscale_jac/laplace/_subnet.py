@@ -41,6 +41,10 @@ class SubnetLaplace(SubsetCurvature, Predictive, MarginalLikelihood, Saving):
         strict: Raise instead of letting the engine fall back to another strategy.
         entries: How the engine forms single-entry columns (``auto``, ``structured`` or
             ``generic``; see :func:`~multiscale_jac.per_sample_jacobian`).
+        tune: How the engine's ``auto`` choices are made (:class:`~multiscale_jac.Tune`:
+            ``auto``, ``measure`` or ``True``, ``estimate`` or ``False``; for
+            :class:`DiagLaplace` also :func:`~multiscale_jac.diag_fisher`'s choice; K-FAC's
+            fit times nothing).
         enable_backprop: The predictive (``la(x)``, :meth:`predictive`,
             :meth:`functional_samples`) keeps its graph to inputs that require grad, so its
             mean and variance can be differentiated w.r.t. them (laplace-torch's option; its
