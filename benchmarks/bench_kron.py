@@ -122,8 +122,7 @@ def buckets(wl: dict[str, Any]) -> list[tuple[list[tuple[int, ...]], Tensor, Ten
 def fit_ours(wl: dict[str, Any]) -> Any:
     import multiscale_jac as mj
 
-    # backend= names laplace-torch's: its bias block for a head called per level (docs/laplace.md)
-    la = mj.KronLaplace(wl["head"], "classification", backend="CurvlinopsGGN")
+    la = mj.KronLaplace(wl["head"], "classification")
     return la.fit([(wl["samples"], wl["labels"])])
 
 

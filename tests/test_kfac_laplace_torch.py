@@ -200,10 +200,7 @@ def test_kron_laplace_posterior_matches(name: str, likelihood: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs.fit(loader)
-    # backend= named: laplace-torch's bias block for a layer called twice ("shared")
-    ours = mj.KronLaplace(
-        model, likelihood, sigma_noise=sigma, prior_precision=0.7, backend="CurvlinopsGGN"
-    )
+    ours = mj.KronLaplace(model, likelihood, sigma_noise=sigma, prior_precision=0.7)
     ours.fit(loader)
     p_ours, p_theirs = ours.posterior_precision.to_matrix(), theirs.posterior_precision.to_matrix()
     assert _rel(p_ours, p_theirs) < 1e-10

@@ -35,12 +35,12 @@ def _data(likelihood: str, n: int = 9) -> list:
 
 
 def _dense_h(model: nn.Module, data: list, likelihood: str, kind: str = "ggn") -> torch.Tensor:
-    """Block-diagonal ``G (x) A_w`` and ``c G`` per tensor, from :func:`kron_factors`."""
+    """Block-diagonal ``G (x) A_w`` and ``G`` per tensor, from :func:`kron_factors`."""
     res = kron_factors(model, data, likelihood=likelihood, kind=kind)
     blocks = []
     for f in res.layers:
         blocks.append(torch.kron(f.G, f.weight_A))
-        blocks.append(f.G * f.A[-1, -1])
+        blocks.append(f.G)
     return torch.block_diag(*blocks)
 
 
@@ -125,25 +125,27 @@ def test_ragged_pyramids_equal_the_samples_one_at_a_time() -> None:
     assert whole.n_data == one.n_data == 4 and whole._n_entries == one._n_entries
 
 
-def test_bias_block_of_a_head_called_per_level() -> None:
-    """A head called once per pyramid level (``c`` calls): the bias block is ``c G`` (the bias
-    row of the weight's augmented ``A``), laplace-torch's ``G`` when a backend is named."""
+def test_bias_block_of_a_head_called_per_level_is_g() -> None:
+    """A head called once per pyramid level (two calls): the bias block is ``G`` (curvlinops'
+    separate bias, laplace-torch's), with or without a backend named; for the output conv,
+    whose calls give separate outputs, that is the exact GGN of its bias (the dense float64
+    subset GGN, ``SubnetLaplace``), where ``c G`` (the bias row of the augmented ``A``)
+    would be twice it."""
     torch.manual_seed(0)
     model = SharedHeadFPN((3, 4), width=4, num_outputs=2).to(DTYPE).eval()
     samples = ragged_samples([[(5, 6), (3, 3)], [(4, 4), (2, 2)]], [3, 4], seed=2)
     with torch.no_grad():
         targets = [torch.randn_like(model([t[None] for t in s])[0]) for s in samples]
+    data = [(samples, targets)]
     subset = mj.ParamSubset.from_names(model, ["head.6.*"])
-    res = kron_factors(model, [(samples, targets)], params=subset, likelihood="regression")
-    f = res["head.6.bias"]
-    calls = float(f.A[-1, -1])
-    assert calls == pytest.approx(2.0)  # the head runs on both levels
-    own = mj.KronLaplace(model, "regression", subset).fit([(samples, targets)])
-    named = mj.KronLaplace(model, "regression", subset, backend="CurvlinopsGGN")
-    named.fit([(samples, targets)])
-    torch.testing.assert_close(own.H.blocks[1].factors[0], calls * f.G, atol=TOL, rtol=0)
-    torch.testing.assert_close(named.H.blocks[1].factors[0], f.G, atol=TOL, rtol=0)
-    torch.testing.assert_close(own.H.blocks[0].dense(), named.H.blocks[0].dense())
+    f = kron_factors(model, data, params=subset, likelihood="regression")["head.6.bias"]
+    assert float(f.A[-1, -1]) == pytest.approx(2.0)  # the head runs on both levels
+    own = mj.KronLaplace(model, "regression", subset).fit(data)
+    named = mj.KronLaplace(model, "regression", subset, backend="CurvlinopsGGN").fit(data)
+    torch.testing.assert_close(own.H.blocks[1].factors[0], f.G, atol=TOL, rtol=0)
+    torch.testing.assert_close(own.H.to_matrix(), named.H.to_matrix(), atol=0, rtol=0)
+    exact = mj.SubnetLaplace(model, "regression", "head.6.bias").fit(data).H
+    torch.testing.assert_close(f.G, exact, atol=TOL, rtol=0)
 
 
 def test_online_fit_adds_as_laplace_torch() -> None:

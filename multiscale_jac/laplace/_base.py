@@ -138,7 +138,6 @@ class LaplaceBase:
         #: the MAP: the model's values of the subset at construction (the predictive runs the
         #: model itself, so they must stay its values)
         self._map = self.subset.flatten(self.subset.check_model(model)).detach().clone()
-        self.mean = self._map  # dtype and device for the checks below; the prior mean after
         self.temperature = check_positive_number(temperature, "temperature")
         self._scale: Tensor | None = None
         self.sigma_noise = sigma_noise
@@ -263,7 +262,7 @@ class LaplaceBase:
         """A number, ``(P,)``, one value per selected tensor (sequence or dict), checked, as a
         1-d tensor of 1, ``K`` (selected tensors) or ``P`` values (differentiable)."""
         p, names = self.subset.numel, self.subset.names
-        dtype, device = self.mean.dtype, self.mean.device
+        dtype, device = self._map.dtype, self._map.device
         if isinstance(value, Mapping):
             unknown = [k for k in value if k not in names]
             missing = [k for k in names if k not in value]
@@ -330,6 +329,29 @@ class LaplaceBase:
         return inputs
 
     # ------------------------------------------------------------------ state
+    def _record_fit(
+        self,
+        h: Any,
+        loss: float,
+        samples: int,
+        entries: int,
+        output_dim: int,
+        override: bool,
+        combine: Callable[[Any, Any], Any] = lambda old, new: old + new,
+    ) -> None:
+        """Store a fit over a pass of data: its curvature ``h`` replaces the previous fit's
+        (``override``, or none yet) or is combined with it (``combine(old, new)``, called
+        before the counts grow); the loss, samples and regression ``entries`` add up."""
+        if override or self.H is None:
+            self.H, self._loss, self.n_data, self._n_entries = h, 0.0, 0, 0
+        else:
+            self.H = combine(self.H, h)
+        self._loss += loss
+        self.n_data += samples
+        self._n_entries += entries
+        self.n_outputs = output_dim
+        self._scale = None
+
     def _seen_output(self, shape: Sequence[int]) -> None:
         """Record ``n_outputs`` from a sample's output shape ``(C, *spatial)`` or ``(O,)``."""
         self.n_outputs = output_dim(tuple(shape))

@@ -204,13 +204,18 @@ class JacobianStream(LaplaceBase):
         return rows * ours, self.memory_budget - kept - rows * ours
 
     def _jacobians(self, packed: PackedBatch, fit: FitSpec | None = None) -> Iterator[Block]:
+        """The Jacobian rows of every sample with the outputs of the same pass, in sample
+        order: from the engine (:meth:`_engine_blocks`), or, for the predictive with
+        ``enable_backprop``, with their graph to the inputs (:meth:`_differentiable`)."""
+        if fit is None and self.enable_backprop:
+            return self._differentiable(packed)
+        return self._engine_blocks(packed, fit)
+
+    def _engine_blocks(self, packed: PackedBatch, fit: FitSpec | None = None) -> Iterator[Block]:
         """The Jacobian rows of every sample with the outputs of the same pass, in sample order,
         a chunk of samples (or, for one sample above the budget, of its output positions) at a
         time. In a fit (``fit``), a sample above the budget or subsampled comes as one block
         carrying its curvature (:meth:`_curvature`): the model is not re-run per slice."""
-        if fit is None and self.enable_backprop:
-            yield from self._differentiable(packed)
-            return
         fn = self._function(packed)
         values = fn.values()
         n = packed.num_samples
@@ -265,20 +270,20 @@ class JacobianStream(LaplaceBase):
     def _stacked_jacobians(self, x: Any, enable_backprop: bool | None) -> tuple[Tensor, Tensor]:
         """Every sample's Jacobian ``(N, O, P)`` and outputs ``(N, O)`` (``la.backend``'s
         ``jacobians``); outputs of one size per sample only."""
-        saved = self.enable_backprop
-        if enable_backprop is not None:
-            self.enable_backprop = check_bool(enable_backprop, "enable_backprop")
-        try:
-            packed = self._prep.pack(self._inputs(x))
-            rows: list[list[Tensor]] = [[] for _ in range(packed.num_samples)]
-            outs: list[list[Tensor]] = [[] for _ in range(packed.num_samples)]
-            for block in self._jacobians(packed):
-                if block.jac is None:  # pragma: no cover - predictive blocks carry rows
-                    raise RuntimeError("internal error: a block without Jacobian rows")
-                rows[block.i].append(block.jac)
-                outs[block.i].append(block.out.reshape(-1))
-        finally:
-            self.enable_backprop = saved
+        keep = (
+            self.enable_backprop
+            if enable_backprop is None
+            else check_bool(enable_backprop, "enable_backprop")
+        )
+        packed = self._prep.pack(self._inputs(x))
+        rows: list[list[Tensor]] = [[] for _ in range(packed.num_samples)]
+        outs: list[list[Tensor]] = [[] for _ in range(packed.num_samples)]
+        blocks = self._differentiable(packed) if keep else self._engine_blocks(packed)
+        for block in blocks:
+            if block.jac is None:  # pragma: no cover - predictive blocks carry rows
+                raise RuntimeError("internal error: a block without Jacobian rows")
+            rows[block.i].append(block.jac)
+            outs[block.i].append(block.out.reshape(-1))
         js = [torch.cat(r) for r in rows]
         if len({j.shape for j in js}) != 1:
             raise ValueError(
@@ -629,17 +634,10 @@ class DiagCurvature(LaplaceBase):
             return_loss=True,
             **self._fisher_options,
         )
+        n_out = res.num_outputs if self.likelihood is Likelihood.REGRESSION else 0
         h = (res.flat * res.num_samples).to(self.mean)
         loss = float(res.loss)  # type: ignore[arg-type]
-        n_out = res.num_outputs if self.likelihood is Likelihood.REGRESSION else 0
-        if override or self.H is None:
-            self.H, self._loss, self.n_data, self._n_entries = h, loss, 0, 0
-        else:
-            self.H, self._loss = self.H + h, self._loss + loss
-        self.n_data += res.num_samples
-        self._n_entries += int(n_out)
-        self.n_outputs = res.output_dim
-        self._scale = None
+        self._record_fit(h, loss, res.num_samples, int(n_out), res.output_dim, override)
         return self
 
 

@@ -3,8 +3,7 @@ tensors, each block ``factor * (F_1 (x) F_2) + delta I``.
 
 The curvature ``H`` (:class:`KronCurvatureFactors`) holds one block per selected tensor, in the
 subset's order, as laplace-torch's ``Kron.kfacs``: a weight ``[G, A_w]`` (its block is
-``G (x) A_w`` over ``weight.flatten()``), a bias ``[c G]`` (``c`` the layer's calls per sample:
-1 for a plain layer). Each factor is eigendecomposed once (``F = Q diag(l) Q^T``), so every
+``G (x) A_w`` over ``weight.flatten()``), a bias ``[G]``. Each factor is eigendecomposed once (``F = Q diag(l) Q^T``), so every
 block of ``P_post`` has eigenvectors ``Q_1 (x) Q_2`` and eigenvalues ``factor * l_1 l_2^T +
 delta`` (``delta``: the block's prior precision, one value per tensor): the log-determinant, the
 whitening of Jacobian rows, draws and marginal variances never form a ``P x P`` matrix, and are

@@ -65,35 +65,30 @@ class KronCurvature(LaplaceBase):
             progress=show,
             **self._kron_options,
         )
-        h = _blocks(res, self.subset, laplace_torch=self._backend_name is not None)
-        n_new = res.num_data
+        h = _blocks(res, self.subset)
+        n_old, n_new = self.n_data, res.num_data
+
+        def weighted(old: KronCurvatureFactors, new: KronCurvatureFactors) -> Any:
+            total = n_old + n_new
+            return old.scaled(n_old / total) + new.scaled(n_new / total)
+
         n_out = _regression_outputs(res, self.likelihood)
-        if override or self.H is None:
-            self.H, self._loss, self.n_data, self._n_entries = h, 0.0, 0, 0
-        else:
-            total = self.n_data + n_new
-            self.H = self.H.scaled(self.n_data / total) + h.scaled(n_new / total)
-        self._loss += float(res.loss)
-        self.n_data += n_new
-        self._n_entries += n_out
-        self.n_outputs = res.output_dim
-        self._scale = None
+        self._record_fit(h, float(res.loss), n_new, n_out, res.output_dim, override, weighted)
         return self
 
 
-def _blocks(
-    res: KronResult, subset: ParamSubset, laplace_torch: bool = False
-) -> KronCurvatureFactors:
-    """One block per selected tensor, in the flat order: weight ``[G, A_w]``, bias ``[c G]``
-    (``c``: the layer's calls per sample, the bias row of the weight's augmented ``A``);
-    ``laplace_torch``: the bias ``[G]``, as curvlinops' separate bias (the same for a layer
-    called once per forward)."""
+def _blocks(res: KronResult, subset: ParamSubset) -> KronCurvatureFactors:
+    """One block per selected tensor, in the flat order: weight ``[G, A_w]``, bias ``[G]``
+    (curvlinops' separate bias, laplace-torch's: for a layer called ``c`` times per sample,
+    e.g. an output head run on every pyramid level, ``G`` sums the calls' output gradients,
+    the exact GGN of an output layer's bias; the augmented ``A``'s bias row would make it
+    ``c G``)."""
     by_name: dict[str, list[Tensor]] = {}
     for f in res.layers:
         if f.weight is not None:
             by_name[f.weight] = [f.G, f.weight_A]
         if f.bias is not None:
-            by_name[f.bias] = [f.G if laplace_torch else f.G * f.A[-1, -1]]
+            by_name[f.bias] = [f.G]
     order = sorted(subset.offsets, key=lambda n: subset.offsets[n][0])
     return KronCurvatureFactors([KronBlock(n, by_name[n]) for n in order])
 
@@ -104,7 +99,7 @@ def _regression_outputs(res: KronResult, likelihood: Likelihood) -> int:
 
 class KronLaplace(KronCurvature, Predictive, MarginalLikelihood, Saving):
     """Kronecker-factored Laplace (K-FAC): ``P_post`` block-diagonal over the selected tensors,
-    each weight's block ``G (x) A / (sigma^s T) + delta I`` and each bias's ``c G / (sigma^s T)
+    each weight's block ``G (x) A / (sigma^s T) + delta I`` and each bias's ``G / (sigma^s T)
     + delta I`` (laplace-torch's ``KronLaplace`` with ``separate_weight_and_bias``).
 
     ``A`` and ``G`` are curvlinops' KFAC-expand factors (:mod:`~multiscale_jac._kfac`; the

@@ -187,16 +187,16 @@ class Predictive(Posterior, JacobianStream):
         n_samples = check_positive_int(n_samples, "n_samples")
         generator = check_generator(generator)
         if pred is PredType.GLM and check_bool(diagonal_output, "diagonal_output"):
-            p = self.predictive(x, link_approx="probit")
+            mean, variance = self.functional_variance_fast(x)  # no O x O covariances
 
             def draw(m: Tensor, v: Tensor) -> Tensor:
                 z = torch.randn((n_samples, *m.shape), generator=generator, dtype=m.dtype)
                 return m + v.sqrt() * z.to(m.device)
 
-            if isinstance(p.mean, list):
-                samples: Tensor | list[Tensor] = [draw(m, v) for m, v in zip(p.mean, p.variance)]
+            if isinstance(mean, list):
+                samples: Tensor | list[Tensor] = [draw(m, v) for m, v in zip(mean, variance)]
             else:
-                samples = draw(p.mean, p.variance)  # type: ignore[arg-type]
+                samples = draw(mean, variance)  # type: ignore[arg-type]
         else:
             samples = self.functional_samples(
                 x, n_samples, linearized=pred is PredType.GLM, generator=generator
