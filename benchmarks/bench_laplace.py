@@ -385,9 +385,11 @@ def dense_main(args: argparse.Namespace) -> int:
         for c in cells
     ]  # fmt: skip
     head = ["S", "C", "k", "budget B", "unsliced s", "sliced s", "sliced / unsliced", "rel diff"]
-    print(markdown_table(head, rows))
+    table = markdown_table(head, rows)
+    print(table)
     out = Path(args.out) if args.out else DEFAULT_OUT
     write_json(out / "bench_laplace_dense.json", {"env": env_stamp("cpu"), "cells": cells})
+    (out / "bench_laplace_dense.md").write_text(table + "\n")  # docs/laplace.md includes it
     return 0
 
 
