@@ -15,9 +15,11 @@ Layers (each its own module; data flows one way):
                 :class:`DiagLaplace` (diagonal GGN over every weight) and laplace-torch's
                 front door :func:`Laplace`
 7. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
+
+:mod:`~multiscale_jac.tuning` saves and loads what ``tune="auto"`` measured.
 """
 
-from . import reference
+from . import reference, tuning
 from .adapter import PerSampleFunction
 from .engine import PlanCacheInfo, clear_plan_cache, per_sample_jacobian, plan_cache_info
 from .enums import (
@@ -78,6 +80,7 @@ __all__ = [
     "clear_plan_cache",
     "per_sample_jacobian",
     "plan_cache_info",
+    "tuning",
     # derived quantities
     "DiagFisherResult",
     "Estimator",

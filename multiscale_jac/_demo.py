@@ -9,13 +9,13 @@ over warm engine; a first-call time is never used as a ratio.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ._tuning import seconds
 from .engine import per_sample_jacobian
 from .models import TinyFPN
 from .packing import pack
@@ -161,10 +161,8 @@ def run_demo(**kwargs: Any) -> list[DemoRow]:
 
 def _timed(call: Callable[[], object], device: str) -> tuple[object, float]:
     """``(call(), seconds)``, synchronising CUDA before the clock stops."""
-    t0 = time.perf_counter()
-    out = call()
-    _sync(device)
-    return out, time.perf_counter() - t0
+    elapsed, out = seconds(call, [torch.device(device)])
+    return out, elapsed
 
 
 def _warm_times(
@@ -216,8 +214,3 @@ def format_footer(rows: list[DemoRow]) -> str:
 def format_rows(rows: list[DemoRow], header: str) -> str:
     """The whole table at once (header, rows, footer)."""
     return "\n".join([format_header(header), *map(format_row, rows), "", format_footer(rows)])
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()

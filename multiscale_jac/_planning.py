@@ -11,13 +11,9 @@ needs ``n`` times one sample's; the returned ``(N, O, P)`` result is counted onc
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
-import gc
-import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ._ops import AT
+from ._tuning import COUNTS, register_types
 from .adapter import PerSampleFunction
 from .entries import NotStructuredError, entry_call, entry_names
 from .enums import Entries, MemoryBudgetError, Mode, Randomness, Strategy, Tune
@@ -34,9 +31,6 @@ from .structured import StructuredFunction
 from .subset import ParamSubset
 
 __all__ = [
-    "COUNTS",
-    "KERNEL_CACHE",
-    "PLAN_CACHE",
     "Decision",
     "EngineOptions",
     "EntryCost",
@@ -58,41 +52,9 @@ __all__ = [
     "replay",
     "rev_structured",
     "span_tensor",
-    "stopwatch",
     "survey",
     "tangent_groups",
 ]
-
-
-#: how often planning measured a forward pass, surveyed structured costs and probed routes
-#: (read by :func:`~multiscale_jac.plan_cache_info`)
-COUNTS: collections.Counter[str] = collections.Counter()
-
-
-@contextlib.contextmanager
-def stopwatch(devices: Iterable[torch.device] = ()) -> Iterator[list[float]]:
-    """Time the block with the objects that exist before it frozen for the garbage collector
-    (``gc.freeze``, undone after): a full collection inside a timed call then walks only the
-    block's own objects (a collection over the whole process once made a 20 ms call take
-    170 ms and chose the slower route), while the block's own garbage is still collected (a
-    paused collector let it pile up: 12 MB over a memory budget). CUDA devices among
-    ``devices`` are synchronised at the end. A caller's own frozen objects (``gc.freeze``
-    called before) are left as they are: nothing is frozen or unfrozen then. Yields a list
-    that holds the seconds after."""
-    elapsed: list[float] = []
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
-    try:
-        start = time.perf_counter()
-        yield elapsed
-        for device in devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        elapsed.append(time.perf_counter() - start)
-    finally:
-        if freeze:
-            gc.unfreeze()
 
 
 @dataclass(frozen=True)
@@ -121,12 +83,6 @@ DEFAULT_WORKSET_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
 #: chunks of 32 samples (47 MB of per-sample gradient for that weight) took 0.44-0.96 s from
 #: call to call, in chunks of 16 a steady 0.42 s (2 cores, torch 2.13).
 CPU_TENSOR_BYTES = 32 * 2**20
-
-
-#: ``tune``: routes timed within this factor of the fastest are timed once more, the faster
-#: time counting: a route's first vectorised call at a new size paid up to 2.7x its later time
-#: (once 4x: ``jacobian_sq_norm``'s ``hvp`` on an 8-conv CNN, slowest by far either way)
-RETIME = 3.0
 
 
 def even_chunk(k: int, bucket: int) -> int:
@@ -788,7 +744,7 @@ def plan_key(fn: PerSampleFunction, packed: PackedBatch, options: EngineOptions)
         output_fn = None if fn.output_fn is None else weakref.ref(_user_fn(fn.output_fn))
     except TypeError:
         return None
-    modules = tuple((n, type(m), m.training) for n, m in model.named_modules())
+    modules = tuple((n, type(m), m.training, module_config(m)) for n, m in model.named_modules())
     tensors = tuple(
         (n, tuple(t.shape), t.dtype, t.device)
         for n, t in (*model.named_parameters(), *model.named_buffers())
@@ -797,6 +753,20 @@ def plan_key(fn: PerSampleFunction, packed: PackedBatch, options: EngineOptions)
     inputs = (packed.structure, packed.layout, packed.signatures, levels, packed.device)
     flags = (fn.eval_batch_norm, fn.tokens, repr(sorted(fn.model_kwargs.items())))
     return (modules, tensors, inputs, subset_key(fn.subset), options, output_fn, flags)
+
+
+def module_config(module: torch.nn.Module) -> tuple[tuple[str, Any], ...]:
+    """A module's own settings: its public attributes of plain values (a convolution's stride,
+    padding, dilation, groups; an activation's flags; a user module's options), which shape
+    its outputs as much as its parameters do."""
+    plain = (int, float, str, bool, type(None))
+
+    def is_plain(v: Any) -> bool:
+        return isinstance(v, plain) or (isinstance(v, tuple) and all(is_plain(x) for x in v))
+
+    return tuple(
+        sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and is_plain(v))
+    )
 
 
 def subset_key(subset: ParamSubset) -> Any:
@@ -812,52 +782,4 @@ def _user_fn(output_fn: Any) -> Any:
     return getattr(output_fn, "user", None) or output_fn
 
 
-class PlanCache:
-    """The engine's decisions, process-wide, like torch's cuDNN autotuning cache: keyed by
-    model (held weakly: an entry never keeps a model alive and goes with it) and by everything
-    a plan depends on (:func:`plan_key`), the least recently used dropped beyond ``maxsize``.
-    Cleared by :func:`~multiscale_jac.clear_plan_cache`."""
-
-    def __init__(self, maxsize: int = 128) -> None:
-        self.maxsize = maxsize
-        self.hits = self.misses = 0
-        self._entries: collections.OrderedDict[Any, tuple[weakref.ref, Decision]] = (
-            collections.OrderedDict()
-        )
-
-    def get(self, model: Any, key: Any) -> Decision | None:
-        entry = None if key is None else self._entries.get((id(model), key))
-        if entry is None or entry[0]() is not model:
-            self.misses += key is not None
-            return None
-        self._entries.move_to_end((id(model), key))
-        self.hits += 1
-        return entry[1]
-
-    def put(self, model: Any, key: Any, value: Decision) -> None:
-        if key is None:
-            return
-        ident = id(model)
-        ref = weakref.ref(model, lambda _: self._drop(ident))
-        self._entries[(ident, key)] = (ref, value)
-        self._entries.move_to_end((ident, key))
-        while len(self._entries) > self.maxsize:
-            self._entries.popitem(last=False)
-
-    def _drop(self, ident: int) -> None:
-        for k in [k for k in self._entries if k[0] == ident]:
-            del self._entries[k]
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-#: the process-wide plan cache of the engine
-PLAN_CACHE = PlanCache()
-#: measured kernel choices per layer and size class (the layer-wise rules' convolutions),
-#: apart so that a deep model's layers never push whole plans out
-KERNEL_CACHE = PlanCache(maxsize=1024)
+register_types(Decision, Footprint, Plan, Strategy, Mode)

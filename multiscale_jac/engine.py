@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,10 +35,6 @@ from ._checks import (
 )
 from ._planning import (
     COST_CONSTANTS,
-    COUNTS,
-    KERNEL_CACHE,
-    PLAN_CACHE,
-    RETIME,
     EngineOptions,
     VectorPlan,
     choose_strategy,
@@ -52,8 +47,9 @@ from ._planning import (
     plan_strategy,
     replay,
     span_tensor,
-    stopwatch,
 )
+from ._tuning import COUNTS, PLAN_CACHE, auto_measures, pick, seconds, time_candidates
+from ._tuning import clear as clear_decisions
 from .adapter import PerSampleFunction
 from .entries import NotStructuredError, entry_call
 from .enums import (
@@ -115,11 +111,10 @@ def clear_plan_cache() -> None:
     options), at most ``maxsize`` of them, least recently used first out; a second call with
     the same shapes pays no measuring pass, survey or probe. The layer-wise rules' measured
     convolution kernels (per layer and size class, the layer held weakly) go too. It is state
-    of the kind torch keeps for cuDNN autotuning; nothing is stored on the model.
+    of the kind torch keeps for cuDNN autotuning; nothing is stored on the model. Decisions
+    read from a file (:func:`multiscale_jac.tuning.load`) go too.
     """
-    PLAN_CACHE.clear()
-    KERNEL_CACHE.clear()
-    COUNTS.clear()
+    clear_decisions()
 
 
 def per_sample_jacobian(
@@ -245,8 +240,6 @@ MIN_PROBE_SAMPLES = 8
 #: ``auto`` also times the chosen route at half its samples per vectorised call where its
 #: calls have at least this many samples (at twice them: :meth:`_EngineRun.call_sizes`)
 MIN_HALVED_CALL = 4
-#: a samples per call replaces the one it is timed against when this much faster
-CALL_MARGIN = 1.05
 #: a model is deep where this many differentiable ops lie on one path between a selected
 #: entry and the output (``Footprint.depth``): the bench_peers cells up to depth 56 (the
 #: transformer; ResNet-8 27, VGG11 30) needed a shortlist spanning at most 2x to hold their
@@ -329,7 +322,11 @@ class _RouteTiming:
         largest = max(len(b.indices) for b in self.packed.buckets())
         if (len(trial) > 1 or self.resizable(plan)) and (
             o.tune is Tune.MEASURE
-            or (len(self.packed) >= MIN_PROBE_BATCH and (largest >= 2 or len(trial) > 1))
+            or (
+                auto_measures()
+                and len(self.packed) >= MIN_PROBE_BATCH
+                and (largest >= 2 or len(trial) > 1)
+            )
         ):
             self.trial, self.estimates = trial, estimates
             if error != SHORTLIST and len(trial) > 1:
@@ -362,16 +359,16 @@ class _RouteTiming:
         """Run the first samples of the largest bucket with each shortlisted route: a
         one-sample warm-up (a route's first call pays one-time costs), then one vectorised
         call on an equal share of the bucket, at least :data:`MIN_PROBE_SAMPLES` (or the whole
-        bucket), timed (:func:`stopwatch`); then the routes within :data:`RETIME` of the
-        fastest once more (a route's first vectorised call at a size still paid up to 2.7x
-        its later time, and the slower route was chosen), the faster of its two times
-        counting; then the chosen route's samples per call (:meth:`try_calls`). Their
+        bucket), timed; then the routes within ``RETIME`` of the fastest once more, the faster
+        of its two times counting (the rules of :mod:`~multiscale_jac._tuning`: a route's
+        first vectorised call at a size still paid up to 2.7x its later time); a tie goes to
+        the estimate's choice; then the chosen route's samples per call (:meth:`try_calls`). Their
         Jacobians go into the result, so timing costs only the slower routes' extra time.
         Where the bucket is too small for every route to get new samples, later routes redo
         samples already done (their results are the same). Where every sample has a shape of
         its own (the largest bucket holds one), each route runs samples of its own instead,
         the smallest first, and its time is scaled to the whole job by its own estimate
-        (:meth:`_time_route`); a route whose warm-up took :data:`WARM_CUTOFF` times the fastest
+        (:meth:`_run_route`); a route whose warm-up took :data:`WARM_CUTOFF` times the fastest
         timed one is not timed. Where the timing contradicts the estimate by
         :data:`SHORTLIST`x or more, a note says what the cost model missed. Returns the
         result buffers, the samples done and the fastest route."""
@@ -384,7 +381,6 @@ class _RouteTiming:
             bucket = _Samples(sorted(range(len(self.packed)), key=sizes.__getitem__))
         pool = list(bucket.indices)
         share = max(len(pool) // len(trial) - 1, min(len(pool), MIN_PROBE_SAMPLES))
-        times: dict[tuple[Strategy, Mode, Entries], float] = {}
         done: set[int] = set()
 
         def call_size(plan: VectorPlan) -> int:
@@ -396,28 +392,25 @@ class _RouteTiming:
             ((best, plan),) = trial
             into, done, plan = self.try_calls(best, plan, bucket, pool, into, done)
             return into, done, best[0], plan
-        skipped = []
-        for key, plan in trial:
-            warm = self._time_route(key, plan, 1, bucket, pool, into, done)
-            if warm is None:
-                continue  # its warm-up failed
+        plans = dict(trial)
+        skipped: list[str] = []
+
+        def skip(key: tuple[Strategy, Mode, Entries], warm: float, times: dict) -> bool:
             if self.spread and times and warm > WARM_CUTOFF * min(times.values()):
                 skipped.append(f"{_route(key)} (warm-up {warm * len(self.packed):.3g} s)")
-                continue
-            elapsed = self._time_route(
-                key, plan, call_size(plan), bucket, pool, into, done, timed=True
-            )
-            if elapsed is not None:
-                times[key] = elapsed
+                return True
+            return False
+
+        times = time_candidates(
+            list(plans),
+            lambda k: self._run_route(k, plans[k], call_size(plans[k]), bucket, pool, into, done),
+            devices=[trial[0][1].device],
+            warm_up=lambda k: self._run_route(k, plans[k], 1, bucket, pool, into, done),
+            skip=skip,
+        )
         if not times:  # every route failed on the data: the run meets the error again
             return into, set(), trial[0][0][0], trial[0][1]
-        fastest = min(times.values())
-        for key, plan in trial:
-            if key in times and fastest < times[key] <= RETIME * fastest:
-                k = call_size(plan)
-                again = self._time_route(key, plan, k, bucket, pool, into, done, timed=True)
-                times[key] = min(times[key], math.inf if again is None else again)
-        best = min(times, key=times.__getitem__)
+        best = pick(times, prefer=lambda k: k == trial[0][0])  # ties: the estimate's
         if self.spread:
             n = len(self.packed)
             self.notes.append(
@@ -508,7 +501,7 @@ class _RouteTiming:
         of the larger size, at least :data:`MIN_PROBE_SAMPLES`), timed: one call alone misjudged a size
         whose calls alternate fast and slow (on a small bucket the window is the whole
         bucket: the run itself). A larger size replaces a smaller one unless
-        :data:`CALL_MARGIN` slower, a smaller one only when that much faster: the timing
+        :data:`~multiscale_jac._tuning.TIE` slower, a smaller one only when that much faster: the timing
         told sizes within 10% of each other apart no better than chance, and the larger
         calls ran at least as fast in the runs that followed (ResNet-8, the transformer)."""
         n, up, down = self.call_sizes(plan)
@@ -518,20 +511,30 @@ class _RouteTiming:
         timed: list[tuple[int, float]] = []
 
         def replaces(a: int, b: int) -> bool:
-            """Time ``a`` and ``b`` on the same samples; whether ``b`` replaces ``a``."""
+            """Time ``a`` and ``b`` on as many samples each; whether ``b`` replaces ``a``
+            (ties go to the larger calls: fewer of them; in the runs that followed, at least
+            as fast)."""
             window = min(max(2 * max(a, b), MIN_PROBE_SAMPLES), largest)
-            times = []
             for size in (a, b):
-                p = plans.setdefault(size, _resized(plan, size, n))
-                if size not in warm:
-                    warm.add(size)
-                    self._time_route(key, p, size, bucket, pool, into, done)
-                t = self._time_route(key, p, window, bucket, pool, into, done, timed=True)
-                times.append(math.inf if t is None else t)
-                timed.append((size, times[-1]))
-            if b > a:  # ties go to the larger calls (fewer of them; in the runs that
-                return times[1] < times[0] * CALL_MARGIN  # followed, at least as fast)
-            return times[1] * CALL_MARGIN < times[0]
+                plans.setdefault(size, _resized(plan, size, n))
+
+            def warm_up(size: int) -> float | None:
+                if size in warm:
+                    return 1.0  # warmed up before: nothing to run
+                warm.add(size)
+                return self._run_route(key, plans[size], size, bucket, pool, into, done)
+
+            times = time_candidates(
+                [a, b],
+                lambda size: self._run_route(key, plans[size], window, bucket, pool, into, done),
+                devices=[plan.device],
+                warm_up=warm_up,
+                retime=0.0,  # the pair runs as many samples each: no second round
+            )
+            timed.extend((size, times.get(size, math.inf)) for size in (a, b))
+            if b not in times:
+                return False
+            return a not in times or pick(times, prefer=lambda size: size) == b
 
         chosen = n
         while up and chosen < largest and replaces(chosen, even_chunk(2 * chosen, largest)):
@@ -545,7 +548,7 @@ class _RouteTiming:
         )
         return into, done, plans[chosen]
 
-    def _time_route(
+    def _run_route(
         self,
         key: tuple[Strategy, Mode, Entries],
         plan: VectorPlan,
@@ -554,26 +557,25 @@ class _RouteTiming:
         pool: list[int],
         into: tuple[Tensor, Tensor],
         done: set[int],
-        *,
-        timed: bool = False,
     ) -> float | None:
         """One call of a route on ``k`` samples: the next of ``pool`` (taken from it), or the
-        bucket's last ones where too few are left. Returns its seconds per sample (``None``:
-        it failed, noted)."""
+        bucket's last ones where too few are left. Returns the work it did for
+        :func:`~multiscale_jac._tuning.time_candidates`: its samples, or, where samples
+        differ in shape, the whole job's count scaled by the route's own estimate for them
+        (``None``: it failed, noted)."""
         idx = pool[:k] if len(pool) >= k else list(bucket.indices[-k:])
         if len(pool) >= k:
             del pool[:k]
-        COUNTS["probe"] += timed
         try:
-            with stopwatch([plan.device]) as elapsed, torch.no_grad():
+            with torch.no_grad():
                 _fill(plan, self.fn, self.options.randomness, [], into=into, only=set(idx))
         except (RuntimeError, NotImplementedError) as err:
             self.notes.append(f"tune: {_route(key)} failed ({first_line(err)})")
             return None
         done.update(idx)
         if self.spread:  # samples of different shapes: scaled by the route's own estimate
-            return elapsed[0] * plan_seconds(plan) / _estimate_of(plan, idx) / len(self.packed)
-        return elapsed[0] / len(idx)
+            return len(self.packed) * _estimate_of(plan, idx) / plan_seconds(plan)
+        return len(idx)
 
 
 class _EngineRun(_RouteTiming):
@@ -631,13 +633,13 @@ class _EngineRun(_RouteTiming):
         padded plan, no probe (planning would cost more than it saves)."""
         o = self.options
         free = [o.strategy is Strategy.AUTO, o.mode is Mode.AUTO, o.entries is Entries.AUTO]
-        if o.tune is not Tune.AUTO or not any(free) or SMALL_JOB_S <= 0:
+        if o.tune is not Tune.AUTO or not any(free) or not auto_measures():
             return False
         levels = tuple(self.packed.sample(self.packed.largest_sample))
-        start = time.perf_counter()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            rows = self.fn.call(self.fn.params, levels).numel()
-        loop = (time.perf_counter() - start) * len(self.packed) * (1 + 2 * rows)
+            once, out = seconds(lambda: self.fn.call(self.fn.params, levels))
+        rows = out.numel()
+        loop = once * len(self.packed) * (1 + 2 * rows)
         if loop >= SMALL_JOB_S:
             return False
         mode = o.mode

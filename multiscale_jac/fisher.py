@@ -56,16 +56,9 @@ from ._likelihood import (
     nll_sum,
     output_dim,
 )
-from ._planning import (
-    COUNTS,
-    PLAN_CACHE,
-    EngineOptions,
-    cpu_chunk_cap,
-    measure,
-    plan_key,
-    stopwatch,
-)
+from ._planning import EngineOptions, cpu_chunk_cap, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
+from ._tuning import PLAN_CACHE, auto_measures, pick, register_types, time_candidates
 from .adapter import PerSampleFunction
 from .engine import run_engine
 from .enums import (
@@ -93,6 +86,8 @@ from .packing import PackedBatch
 from .subset import ParamSubset
 
 __all__ = ["DiagFisherResult", "diag_fisher"]
+
+register_types(FisherMethod)  # in the decisions a file keeps (multiscale_jac.tuning)
 
 #: samples per vectorised call of the ``vmap`` route when neither ``chunk_size`` nor
 #: ``memory_budget`` says otherwise (on CPU fewer where one tensor's per-sample gradients
@@ -365,7 +360,9 @@ class _FisherTuning:
         if not self._choosing():
             return False
         self.tuned = True
-        if self.opts.tune is not Tune.MEASURE and len(packed) < MIN_TUNE_SAMPLES:
+        if self.opts.tune is not Tune.MEASURE and (
+            not auto_measures() or len(packed) < MIN_TUNE_SAMPLES
+        ):
             return False
         bucket = max(packed.buckets(), key=lambda b: len(b.indices))
         n = len(bucket.indices)
@@ -379,16 +376,16 @@ class _FisherTuning:
         ran = (FisherMethod.LAYERWISE, sizes[-1])
         routes = [(FisherMethod.LAYERWISE, c) for c in dict.fromkeys(sizes)]
         routes.append((FisherMethod.VMAP, min(n, vmap_chunk)))
-        times: dict[tuple[FisherMethod, int], float] = {}
-        for r in routes:  # warm-ups, but for the size that just ran
-            if r != ran:
-                self._dropped_run(packed, bucket, r, fn, targets, plan)
-        for r in routes:
-            times[r] = self._dropped_run(packed, bucket, r, fn, targets, plan)
-        best = min(times.values())
-        for r in [r for r, t in times.items() if t <= 1.15 * best]:
-            times[r] = min(times[r], self._dropped_run(packed, bucket, r, fn, targets, plan))
-        method, chunk = min(times, key=lambda r: times[r] * -(-n // r[1]) * r[1])
+
+        def run(r: tuple[FisherMethod, int]) -> float | None:
+            return self._dropped_run(packed, bucket, r, fn, targets, plan)
+
+        times = time_candidates(  # the route that ran the batch is warm already
+            routes, run, devices=self.devices, warm_up=lambda r: 1.0 if r == ran else run(r)
+        )
+        method, chunk = pick(  # over the bucket in whole chunks; ties: the larger chunk
+            times, cost=lambda r, t: t * -(-n // r[1]) * r[1], prefer=lambda r: r[1]
+        )
         self.plan = plan if method is FisherMethod.LAYERWISE else None
         self.lw_chunk = chunk if method is FisherMethod.LAYERWISE and not asked else None
         PLAN_CACHE.put(self.prep.model, self.key, (method, self.lw_chunk, dict(self.shapes)))
@@ -407,9 +404,9 @@ class _FisherTuning:
         fn: PerSampleFunction,
         targets: list[Tensor],
         plan: LayerwisePlan | None,
-    ) -> float:
-        """Seconds per sample of ``route`` on the first samples of ``bucket`` (one chunk of
-        the route's size), its result dropped: the random state, the generator and the loss
+    ) -> float | None:
+        """Run ``route`` on the first samples of ``bucket`` (one chunk of the route's size)
+        and return their count (``None``: not a candidate), its result dropped: the random state, the generator and the loss
         sum are as before."""
         method, chunk = route
         idx = bucket.indices[:chunk]
@@ -420,20 +417,19 @@ class _FisherTuning:
         generator = self.opts.generator
         state = None if generator is None else generator.get_state()
         self.loss.paused = True
-        COUNTS["probe"] += 1
         try:
-            with torch.random.fork_rng(devices=self.devices), stopwatch(self.devices) as elapsed:
+            with torch.random.fork_rng(devices=self.devices):
                 self._terms(
                     self.prep.function(sub, output_fn=fn.output_fn), sub, [targets[i] for i in idx]
                 )
         except NotLayerwiseError:  # not a candidate after all
-            return float("inf")
+            return None
         finally:
             self.loss.paused = False
             if generator is not None:
                 generator.set_state(state)
             self.plan, self.chunks = saved
-        return elapsed[0] / len(idx)
+        return len(idx)
 
 
 class _FisherRun(_FisherTuning):
@@ -687,6 +683,7 @@ class _FisherRun(_FisherTuning):
             temp_bytes=self.temp_bytes,
             check=not self.separable_checked,
             random=self.prep.randomness is not Randomness.ERROR,
+            tune=self.opts.tune,
         )
         self.separable_checked = True
         return lv, out, run

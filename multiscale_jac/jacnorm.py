@@ -20,7 +20,6 @@ gradient (a custom autograd function: nothing of the forward is kept but the inp
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,18 +40,15 @@ from ._checks import (
 from ._distributed import Reducer
 from ._ops import twice_differentiable
 from ._planning import (
-    COUNTS,
-    PLAN_CACHE,
-    RETIME,
     EngineOptions,
     cpu_chunk_cap,
     even_chunk,
     measure,
     plan_key,
-    stopwatch,
     subset_key,
 )
 from ._stream import with_progress
+from ._tuning import PLAN_CACHE, RETIME, auto_measures, pick, register_types, time_candidates
 from .enums import (
     BatchNormPolicy,
     Estimator,
@@ -68,6 +64,8 @@ from .layerwise import LayerwisePlan, NotLayerwiseError, batched_run, plan_layer
 from .subset import ParamSubset
 
 __all__ = ["jacobian_sq_norm", "jacobian_sq_norm_backward"]
+
+register_types(JacNormMethod)  # in the decisions a file keeps (multiscale_jac.tuning)
 
 #: per-sample gradients a layer-wise chunk keeps in its graph, at most (default chunk size)
 _LAYERWISE_BYTES = 16 * 2**20
@@ -86,8 +84,6 @@ _HALF_CHUNK_FROM = 8
 #: 64 samples a chunk against 16 took 0.51x the time on a small transformer, 0.58x on a
 #: GroupNorm/depthwise CNN, 0.83x on an 8-conv CNN
 _LARGER = 4
-#: ``auto``: routes timed within this factor of the fastest count as tied
-_TIE = 1.05
 
 
 def jacobian_sq_norm(
@@ -340,6 +336,7 @@ class _Job:
             cuda = torch.cuda.get_rng_state(self.fn.device) if self.devices else None
             self.rng_state = (torch.get_rng_state(), cuda)
         self._fit_budget()  # a budget too small for every route: raised here
+        self.tuning = tune
         self.tune(tune)
 
     def _fit_budget(self) -> None:
@@ -420,7 +417,7 @@ class _Job:
             return
         largest = max(len(b.indices) for b in self.packed.buckets())
         routes, needed = self._trial_routes(tune, largest)
-        if tune is Tune.ESTIMATE or len(routes) < 2:
+        if tune is Tune.ESTIMATE or len(routes) < 2 or (tune is Tune.AUTO and not auto_measures()):
             return
         if tune is Tune.AUTO and largest < needed:
             self.notes.append(
@@ -615,12 +612,13 @@ class _Job:
     def _try_routes(self, total: tuple[Tensor, dict[str, Tensor]], done: set[int]) -> None:
         """Run the first chunks of the largest bucket with each route of :attr:`trial` (after
         one warm-up chunk with the estimate's), timing each; then the routes within
-        :data:`RETIME` of the fastest once more (a route's first chunk of a shape pays
+        ``RETIME`` of the fastest once more (a route's first chunk of a shape pays
         one-off costs, up to 2x its later time on 2 CPU cores: primitives and buffers made
         for the new shapes; and one timed chunk each mis-ordered routes 8% apart); the faster
         of a route's two times counts. Their results go into ``total`` and their samples into
         ``done``. The fastest route over the bucket in whole chunks (of those within
-        :data:`_TIE` of it, the one with the largest chunk) is cached and runs the rest.
+        ``TIE`` of it, the one with the largest chunk) is cached and runs the rest (the rules
+        and the loop of :mod:`~multiscale_jac._tuning`).
         Where the bucket has too few samples left, a re-timed (or, under
         ``tune="measure"``, a late first-round) route runs on samples already counted and its
         result is dropped."""
@@ -628,21 +626,22 @@ class _Job:
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
         pool = list(bucket.indices)
         warm = (self.method, self.chunk_for(self.method))
-        times: dict[tuple[JacNormMethod, int], float] = {}
-        for route, timed in [(warm, False), *((r, True) for r in routes)]:
-            pool = self._time_chunk(route, timed, bucket, pool, total, done, times)
-        best = min(times.values(), default=math.inf)
-        for route in [r for r, t in times.items() if t <= RETIME * best]:
-            pool = self._time_chunk(route, True, bucket, pool, total, done, times)
+        self._run_chunk(warm, bucket, pool, total, done)  # the warm-up: counted, not timed
+        times = time_candidates(
+            routes,
+            lambda r: self._run_chunk(r, bucket, pool, total, done),
+            devices=self.devices,
+            warm_up=lambda r: 1.0,  # the routes share the warm-up chunk above
+        )
         if times:
             n = len(bucket.indices)  # a route's cost on the bucket: whole chunks, the last one's
-            # fixed cost too (layer-wise in 9s took 15 chunks for 128 samples, 6% over 128/9)
-            cost = {r: t * -(-n // r[1]) * r[1] for r, t in times.items()}
+            # fixed cost too (layer-wise in 9s took 15 chunks for 128 samples, 6% over 128/9);
             # routes the timing cannot tell apart: the one with the largest chunk (fewer calls;
             # chunks are capped under the CPU's mmap threshold, the cause of the one case where
             # a tied larger chunk ran slower later: vmap/32 on a 3-conv CNN, 1.4x)
-            tied = [r for r, c in cost.items() if c <= _TIE * min(cost.values())]
-            self.method, chunk = max(tied, key=lambda r: (r[1], -cost[r]))
+            self.method, chunk = pick(
+                times, cost=lambda r, t: t * -(-n // r[1]) * r[1], prefer=lambda r: r[1]
+            )
             self._chunk_of[self.method] = chunk
             PLAN_CACHE.put(self.fn.model, self.key, (self.method, chunk))
             self.notes.append(
@@ -652,36 +651,30 @@ class _Job:
                 f"chose {self.method.value!r} with {chunk} samples a chunk"
             )
 
-    def _time_chunk(
+    def _run_chunk(
         self,
         route: tuple[JacNormMethod, int],
-        timed: bool,
         bucket: Any,
         pool: list[int],
         total: tuple[Tensor, dict[str, Tensor]],
         done: set[int],
-        times: dict[tuple[JacNormMethod, int], float],
-    ) -> list[int]:
-        """One chunk of ``route`` on the next samples of ``pool`` (or, where too few are left,
-        on the bucket's first samples, the result dropped); its time per sample goes into
-        ``times`` (the least so far) when ``timed``. Returns the samples left."""
+    ) -> float | None:
+        """One chunk of ``route`` on the next samples of ``pool`` (taken from it; where too
+        few are left, on the bucket's first samples, the result dropped). Returns its samples
+        (``None``: it failed, noted)."""
         method, chunk = route
         counted = len(pool) >= min(chunk, len(bucket.indices))
         idx = pool[:chunk] if counted else list(bucket.indices[:chunk])
-        COUNTS["probe"] += timed
         try:
-            with stopwatch(self.devices) as elapsed:
-                part = self._route(method)(True, [(bucket.indices[0], idx)])
+            part = self._route(method)(True, [(bucket.indices[0], idx)])
         except (RuntimeError, NotLayerwiseError) as err:  # not a candidate after all
             self.notes.append(f"tune: {method.value} failed on the data ({err})")
-            return pool
-        if timed:
-            times[route] = min(times.get(route, math.inf), elapsed[0] / len(idx))
+            return None
         if counted:
             self._add(total, part)
             done.update(idx)
-            return pool[len(idx) :]
-        return pool
+            del pool[: len(idx)]
+        return len(idx)
 
     def _route(self, method: JacNormMethod) -> Any:
         return {
@@ -706,6 +699,7 @@ class _Job:
                 create_graph=with_grad,
                 check=not self.checked,
                 random=self.rng_state is not None,
+                tune=self.tuning,
             )
             self.checked = True
             with torch.enable_grad():

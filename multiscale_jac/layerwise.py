@@ -55,9 +55,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ._ops import named, numeric_padding
-from ._planning import COUNTS, KERNEL_CACHE, stopwatch
+from ._tuning import KERNEL_CACHE, auto_measures, pick, time_candidates
 from .adapter import PerSampleFunction
-from .enums import LayerRule
+from .enums import LayerRule, Tune
 from .subset import ParamSubset
 
 __all__ = [
@@ -217,10 +217,12 @@ class LayerwiseRun:
         *,
         temp_bytes: int = DEFAULT_TEMP_BYTES,
         create_graph: bool = False,
+        tune: Tune = Tune.AUTO,
     ) -> None:
         self.plan = plan
         self.temp_bytes = temp_bytes
         self.create_graph = create_graph
+        self.tune = tune
         self.sites = [plan.sites[n] for n in plan.layerwise_names]
         self._by_module: dict[int, list[_Site]] = {}
         self._modules: dict[int, nn.Module] = {}
@@ -462,8 +464,10 @@ class LayerwiseRun:
         matter the candidates are timed once per layer and size class and the fastest is
         kept in a process-wide cache (bounded, holding the layer weakly, emptied by
         :func:`~multiscale_jac.clear_plan_cache`). Columns below that size or with a
-        graph."""
-        if self.create_graph or not isinstance(m, _CONV):
+        graph, and without measuring (``tune=False``, or ``"auto"`` switched off: no recalled
+        timed choice either)."""
+        measures = self.tune is Tune.MEASURE or (self.tune is Tune.AUTO and auto_measures())
+        if self.create_graph or not isinstance(m, _CONV) or not measures:
             return 0
         n, co = g.shape[:2]
         if 2.0 * n * co * ck * g[0, 0].numel() < PROBE_MIN_FLOPS:
@@ -480,38 +484,27 @@ class LayerwiseRun:
         return chosen
 
     def _probe(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernels: list[int]) -> int:
-        """Run each kernel in turn (a warm-up), then twice more those within twice the fastest
-        warm-up; the best of a kernel's two timed runs counts, and a grouped kernel is chosen
-        only 10% ahead of columns (timing noise never trades a sure kernel for a cliff). The
-        sums are left as they were (the chosen kernel runs after)."""
+        """Time each kernel by the rules of :mod:`~multiscale_jac._tuning` (a warm-up, a
+        timed run, those within ``RETIME`` of the fastest once more); among kernels within
+        ``TIE`` of the fastest, columns win (timing noise never trades a sure kernel for a
+        cliff). The sums are left as they were (the chosen kernel runs after)."""
         before = self._sums.pop(s.name, None)
-        first = self._timed(s, m, a, g, kernels)
-        best = min(first.values())
-        timed = [k for k in kernels if first[k] <= 2 * best]
-        runs = [self._timed(s, m, a, g, timed) for _ in range(2)]
-        times = {k: min(r[k] for r in runs) for k in timed}
-        times[0] = times.get(0, math.inf) * 0.9
-        COUNTS["probe"] += len(timed)
-        self._sums.pop(s.name, None)
-        if before is not None:
-            self._sums[s.name] = before
-        return min(times, key=times.__getitem__)
 
-    def _timed(
-        self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernels: list[int]
-    ) -> dict[int, float]:
-        times = {}
-        for kernel in kernels:
+        def run(kernel: int) -> float | None:
             self._sums.pop(s.name, None)
             try:
-                with stopwatch([a.device]) as elapsed:
-                    self._per_sample(s, m, a, g, kernel)
+                self._per_sample(s, m, a, g, kernel)
             except RuntimeError:  # a backend without that grouped convolution: not a candidate
                 if not kernel:
                     raise
-                elapsed = [math.inf]
-            times[kernel] = elapsed[0]
-        return times
+                return None
+            return 1.0
+
+        times = time_candidates(kernels, run, devices=[a.device])
+        self._sums.pop(s.name, None)
+        if before is not None:
+            self._sums[s.name] = before
+        return pick(times, prefer=lambda kernel: kernel == 0)
 
     def _per_sample(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernel: int) -> None:
         """The ``per_sample`` rule of a layer called once: ``kernel`` as in :meth:`_kernel`."""
@@ -646,18 +639,20 @@ def batched_run(
     create_graph: bool = False,
     check: bool = True,
     random: bool = False,
+    tune: Tune = Tune.AUTO,
 ) -> tuple[list[Tensor], Tensor, LayerwiseRun]:
     """The model on stacked samples ``levels`` (``(n, C_l, *spatial_l)``) with the layer-wise
     hooks. Returns the inputs (made to require grad: the backward passes stop there), the
     output after ``output_fn`` ``(n, ...)`` and the run to call :meth:`LayerwiseRun.backward` on.
     ``random``: the model draws random masks (dropout in train mode), one per sample here.
+    ``tune``: whether the convolutions' kernels may be timed (:meth:`LayerwiseRun._probe`).
 
     Raises:
         NotLayerwiseError: with ``check``, sample 0 run alone differs from its batched result
             (the model mixes samples in a batch).
     """
     lv = [t.detach().requires_grad_(t.is_floating_point()) for t in levels]
-    run = LayerwiseRun(plan, temp_bytes=temp_bytes, create_graph=create_graph)
+    run = LayerwiseRun(plan, temp_bytes=temp_bytes, create_graph=create_graph, tune=tune)
     run.watch_inputs(lv)
     with torch.enable_grad(), run:
         out = fn.call_batch(lv)

@@ -84,18 +84,25 @@ def smallest_budget(call) -> int:
 
 
 @pytest.fixture(autouse=True)
-def _deterministic_routes(monkeypatch):
-    """Route choices in tests follow the cost model alone: the timed small-job rule and the
-    engine's route timing are off (their own tests switch them on), so that a test's expected route does not depend on machine load;
-    every test starts with an empty plan cache."""
-    import multiscale_jac.engine
-    import multiscale_jac.fisher
+def _deterministic_routes():
+    """Route choices in tests follow the cost model alone: ``tune="auto"`` measures nothing
+    (the one switch, :func:`multiscale_jac._tuning.set_auto_measures`; tests of the measuring
+    turn it on with the ``measuring`` fixture or pass ``tune="measure"``), so that a test's
+    expected route does not depend on machine load; every test starts with no decisions."""
+    from multiscale_jac import _tuning
 
-    multiscale_jac.engine.clear_plan_cache()
-    monkeypatch.setattr(multiscale_jac.engine, "SMALL_JOB_S", 0.0)
-    # tune="auto" times routes only on buckets of MIN_PROBE_BATCH samples; "measure" always
-    monkeypatch.setattr(multiscale_jac.engine, "MIN_PROBE_BATCH", 10**9)
-    monkeypatch.setattr(multiscale_jac.fisher, "MIN_TUNE_SAMPLES", 10**9)
+    _tuning.clear()
+    before = _tuning.set_auto_measures(False)
+    yield
+    _tuning.set_auto_measures(before)
+
+
+@pytest.fixture
+def measuring():
+    """``tune="auto"`` measures as outside the tests (the switch on)."""
+    from multiscale_jac import _tuning
+
+    _tuning.set_auto_measures(True)
 
 
 def jacnorm_jobs(monkeypatch) -> list:

@@ -150,7 +150,7 @@ def test_return_loss_is_the_nll_of_the_data(
     torch.testing.assert_close(plain.flat, res.flat, atol=0, rtol=0)
 
 
-def test_return_loss_counts_a_timed_batch_once(monkeypatch) -> None:
+def test_return_loss_counts_a_timed_batch_once(measuring, monkeypatch) -> None:
     """``method="auto"`` times its routes on the first batch: the dropped runs add no loss."""
     monkeypatch.setattr(mj.fisher, "MIN_TUNE_SAMPLES", 16)  # conftest turns timing off
     mj.clear_plan_cache()
@@ -293,7 +293,9 @@ def test_vmap_chunks_keep_per_sample_gradients_under_32_mib(
 @pytest.mark.parametrize(
     "tune, probes", [("measure", True), (True, True), ("estimate", False), (False, False)]
 )
-def test_tune_decides_whether_the_fisher_measures(monkeypatch, tune, probes: bool) -> None:
+def test_tune_decides_whether_the_fisher_measures(
+    measuring, monkeypatch, tune, probes: bool
+) -> None:
     """``tune``: ``measure``/``True`` times the routes on any first batch (here 6 samples, under
     ``auto``'s 16), ``estimate``/``False`` never, not even with ``auto``'s threshold met; the
     values are the same either way."""

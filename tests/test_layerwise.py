@@ -369,7 +369,7 @@ def test_conv_kernels_match_loop(cfg, kernel) -> None:
     mj.clear_plan_cache()
 
 
-def test_conv_kernel_probed_once_per_shape() -> None:
+def test_conv_kernel_probed_once_per_shape(measuring) -> None:
     """A convolution large enough is timed (columns against grouped convolutions) on the first
     call; the second call with the same shapes reuses the choice: no probe."""
     torch.manual_seed(0)

@@ -93,7 +93,7 @@ def test_the_cache_never_keeps_a_model_alive_and_is_bounded() -> None:
     assert mj.plan_cache_info() == (0, 0, 0, maxsize, 0, 0, 0)
 
 
-def test_a_small_job_runs_its_cheapest_plan(monkeypatch) -> None:
+def test_a_small_job_runs_its_cheapest_plan(measuring, monkeypatch) -> None:
     """Under tune='auto' a job whose loop would be quick skips the survey, the padded plan and
     the probes (planning would cost more than it saves); tune='estimate' plans in full."""
     import multiscale_jac.engine as engine
@@ -137,19 +137,19 @@ def test_route_timing_keeps_full_collections_out_and_restores_the_collector(monk
     """A collection over the whole process inside one timed call once made the faster route
     look 10x slower: the objects from before are frozen for the collector while a route is
     timed, and unfrozen after (a caller's own freeze is left alone)."""
-    from multiscale_jac import _planning
+    from multiscale_jac import _tuning
 
     seen: list[int] = []
-    with _planning.stopwatch() as elapsed:
+    with _tuning.stopwatch() as elapsed:
         seen.append(gc.get_freeze_count())
     assert seen[0] > 0 and gc.get_freeze_count() == 0 and elapsed[0] >= 0
-    with pytest.raises(KeyError), _planning.stopwatch():  # undone on errors too
+    with pytest.raises(KeyError), _tuning.stopwatch():  # undone on errors too
         raise KeyError("x")
     assert gc.get_freeze_count() == 0
     gc.freeze()  # the caller's own
     try:
         frozen = gc.get_freeze_count()
-        with _planning.stopwatch():
+        with _tuning.stopwatch():
             pass
         assert gc.get_freeze_count() == frozen
     finally:
@@ -173,7 +173,7 @@ def test_route_timing_keeps_full_collections_out_and_restores_the_collector(monk
 
 
 @pytest.mark.parametrize("tune", ["auto", "measure"])
-def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
+def test_jacobian_norm_times_its_routes_on_the_run_itself(measuring, tune: str) -> None:
     """``jacobian_sq_norm(method="auto")`` times its routes on the first chunks of the job
     (each chunk counted once in the result: value and gradient equal a forced method's),
     caches the fastest, and the second call with the same shapes probes nothing."""
@@ -218,7 +218,7 @@ def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
     ids=["every_route_and_a_larger_chunk", "short_bucket_leaves_routes_out"],
 )
 def test_jacobian_norm_default_chunks_time_every_route_twice(
-    monkeypatch, n: int, timed_routes: list[str], left_out: str | None
+    measuring, monkeypatch, n: int, timed_routes: list[str], left_out: str | None
 ) -> None:
     """With default chunks, ``layerwise`` (whose own default chunk would take most of the
     samples) is timed at ``vmap``'s chunk, every route the samples allow is timed (``vmap``
@@ -243,7 +243,7 @@ def test_jacobian_norm_default_chunks_time_every_route_twice(
 
 
 @pytest.mark.parametrize("case_id", ["fpn_scale_ragged", "seed_convblock_levels"])
-def test_auto_times_routes_on_the_run_itself(monkeypatch, case_id: str) -> None:
+def test_auto_times_routes_on_the_run_itself(measuring, monkeypatch, case_id: str) -> None:
     """``tune="auto"``: the shortlisted routes run the first samples of the job, timed, and
     those samples' Jacobians stay in the result (exact against the loop); the fastest is
     cached and the second call times nothing."""
@@ -269,7 +269,7 @@ def test_auto_times_routes_on_the_run_itself(monkeypatch, case_id: str) -> None:
     torch.testing.assert_close(again.jacobian, ref.jacobian, atol=1e-10, rtol=0)
 
 
-def test_diag_fisher_times_layerwise_against_vmap_on_the_data(monkeypatch) -> None:
+def test_diag_fisher_times_layerwise_against_vmap_on_the_data(measuring, monkeypatch) -> None:
     """``diag_fisher(method="auto")`` runs the first batch layer-wise, times layer-wise at two
     chunk sizes and ``vmap`` on its samples (those results dropped: the result equals a forced
     method's), caches the fastest, and the second call with the same shapes times nothing."""
@@ -302,18 +302,26 @@ def test_diag_fisher_times_layerwise_against_vmap_on_the_data(monkeypatch) -> No
 
 
 @pytest.mark.parametrize("fastest, sizes", [(0, [32, 8]), (1, [40]), (2, [])])
-def test_diag_fisher_runs_the_chunk_it_chose(monkeypatch, fastest: int, sizes: list) -> None:
+def test_diag_fisher_runs_the_chunk_it_chose(
+    measuring, monkeypatch, fastest: int, sizes: list
+) -> None:
     """The route and layer-wise chunk ``auto`` found fastest are cached and run: layer-wise in
     chunks of 32 or of the whole bucket (40), or ``vmap`` (no layer-wise run)."""
     from multiscale_jac import fisher
 
     monkeypatch.setattr(fisher, "MIN_TUNE_SAMPLES", 16)
-    order = [("layerwise", 32), ("layerwise", 40), ("vmap", 32)]
+    from multiscale_jac import _tuning
 
-    def timed(self, packed, bucket, route, *rest) -> float:  # the fastest by fiat
+    order = [("layerwise", 32), ("layerwise", 40), ("vmap", 32)]
+    real = _tuning._time_one
+
+    def timed(route, fn, devices) -> float | None:  # the fastest by fiat
+        t = real(route, fn, devices)
+        if t is None or not isinstance(route, tuple):  # (a layer-wise kernel's probe)
+            return t
         return 1.0 if order.index((route[0].value, route[1])) == fastest else 2.0
 
-    monkeypatch.setattr(fisher._FisherRun, "_dropped_run", timed)
+    monkeypatch.setattr(_tuning, "_time_one", timed)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 4))
     data = [(torch.randn(40, 5).to(DTYPE), torch.randint(0, 4, (40,)))]
@@ -338,7 +346,7 @@ def test_diag_fisher_runs_the_chunk_it_chose(monkeypatch, fastest: int, sizes: l
         torch.testing.assert_close(res.flat, ref.flat, atol=1e-12, rtol=0)
 
 
-def test_diag_fisher_tune_leaves_the_random_state(monkeypatch) -> None:
+def test_diag_fisher_tune_leaves_the_random_state(measuring, monkeypatch) -> None:
     """The timed runs of ``auto`` are dropped without drawing from the generator or the
     global random state: ``kind="mc"`` draws the forced method's labels for the next batch."""
     from multiscale_jac import fisher
@@ -363,19 +371,17 @@ def test_diag_fisher_tune_leaves_the_random_state(monkeypatch) -> None:
     torch.testing.assert_close(after, after_ref, atol=0, rtol=0)
 
 
-def test_jacobian_norm_ties_go_to_the_largest_chunk(monkeypatch) -> None:
+def test_jacobian_norm_ties_go_to_the_largest_chunk(measuring, monkeypatch) -> None:
     """Routes the timing cannot tell apart (here: every chunk takes the same time per sample)
     go to the one with the largest chunk, the fewest vectorised calls (192 samples: 128 for
     the warm-up chunk and the routes' chunks, ``vmap`` also timed at 64 on the rest)."""
-    import contextlib
+    from multiscale_jac import _tuning, jacnorm
 
-    from multiscale_jac import jacnorm
+    real = _tuning._time_one
 
-    @contextlib.contextmanager
-    def same_rate(devices=()):
-        elapsed: list[float] = []
-        yield elapsed
-        elapsed.append(1e-3 * len(seen[-1]))
+    def same_rate(route, fn, devices) -> float | None:
+        t = real(route, fn, devices)
+        return None if t is None else 1e-3
 
     seen: list[list[int]] = []
     route = jacnorm._Job._route
@@ -390,7 +396,7 @@ def test_jacobian_norm_ties_go_to_the_largest_chunk(monkeypatch) -> None:
 
         return call
 
-    monkeypatch.setattr(jacnorm, "stopwatch", same_rate)
+    monkeypatch.setattr(_tuning, "_time_one", same_rate)
     monkeypatch.setattr(jacnorm._Job, "_route", spy)
     jobs = jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
@@ -417,7 +423,9 @@ def test_jacobian_norm_ties_go_to_the_largest_chunk(monkeypatch) -> None:
         "one-sample-is-not-doubled",
     ],
 )
-def test_auto_times_the_samples_per_call(monkeypatch, planned, faster: str, chosen: int) -> None:
+def test_auto_times_the_samples_per_call(
+    measuring, monkeypatch, planned, faster: str, chosen: int
+) -> None:
     """``tune="auto"`` times the chosen route's calls at their planned size against twice it
     (where the bucket has the samples) and, where that is not faster, half it, on the same
     samples; the faster size runs, is cached, and the result stays exact. Timings forced:
@@ -432,14 +440,15 @@ def test_auto_times_the_samples_per_call(monkeypatch, planned, faster: str, chos
             "plan_chunks",
             lambda *a, **kw: dataclasses.replace(plan_chunks(*a, **kw), samples=planned),
         )
-    real = engine._EngineRun._time_route
+    from multiscale_jac import _tuning
 
-    def forced(self, key, plan, k, *args, **kw):
-        t = real(self, key, plan, k, *args, **kw)
-        size = engine._call_size(plan, self.packed)
-        return t if not kw.get("timed") else (1.0 / size if faster == "larger" else float(size))
+    real = _tuning._time_one
 
-    monkeypatch.setattr(engine._EngineRun, "_time_route", forced)
+    def forced(size, fn, devices) -> float | None:  # keys: samples per call
+        t = real(size, fn, devices)
+        return None if t is None else (1.0 / size if faster == "larger" else float(size))
+
+    monkeypatch.setattr(_tuning, "_time_one", forced)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(2, 3, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(12, 3)
@@ -463,7 +472,7 @@ def test_auto_times_the_samples_per_call(monkeypatch, planned, faster: str, chos
     torch.testing.assert_close(again.jacobian, ref.jacobian, atol=1e-10, rtol=0)
 
 
-def test_a_given_chunk_size_is_not_timed(monkeypatch) -> None:
+def test_a_given_chunk_size_is_not_timed(measuring, monkeypatch) -> None:
     """The caller's ``chunk_size`` is kept: no call size is timed against it."""
     from multiscale_jac import engine
 
@@ -507,7 +516,7 @@ def _forced_estimates(monkeypatch, ratio: float) -> None:
     ],
 )
 def test_close_estimates_are_timed_on_singleton_buckets(
-    monkeypatch, ratio: float, deep: bool, timed: bool
+    measuring, monkeypatch, ratio: float, deep: bool, timed: bool
 ) -> None:
     """``tune="auto"`` times the routes estimated within the model's error of each other also
     where every sample has a shape of its own (it did not: the largest bucket had one sample),
@@ -516,6 +525,7 @@ def test_close_estimates_are_timed_on_singleton_buckets(
     from multiscale_jac import engine
 
     monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 4)
+    monkeypatch.setattr(engine, "SMALL_JOB_S", 0.0)  # planned in full, however quick
     monkeypatch.setattr(engine, "DEEP_DEPTH", 1 if deep else 10**9)
     _forced_estimates(monkeypatch, ratio)
     model = CASE_BY_ID["dense_per_pixel"].build()
@@ -532,7 +542,9 @@ def test_close_estimates_are_timed_on_singleton_buckets(
 
 
 @pytest.mark.parametrize(("tune", "timed"), [("estimate", False), ("measure", True)])
-def test_tune_estimate_never_times_and_measure_always(monkeypatch, tune: str, timed: bool) -> None:
+def test_tune_estimate_never_times_and_measure_always(
+    measuring, monkeypatch, tune: str, timed: bool
+) -> None:
     """Close estimates on singleton buckets: ``estimate`` never times, ``measure`` always (the
     fixture keeps ``auto`` from timing here: MIN_PROBE_BATCH)."""
     _forced_estimates(monkeypatch, 1.0)

@@ -1,0 +1,248 @@
+"""Measuring in one place (``multiscale_jac._tuning``): the loop's rules (warm-up, retime, tie),
+the decision caches and their file form (``multiscale_jac.tuning.save`` / ``load``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import multiscale_jac as mj
+from multiscale_jac import _tuning
+from multiscale_jac.layerwise import PROBE_MIN_FLOPS  # noqa: F401  (patched below)
+
+DTYPE = torch.float64
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The loop's clock reads the seconds the run callback leaves in ``clock[0]``."""
+    clock = [0.0]
+
+    @contextlib.contextmanager
+    def stopwatch(devices=()):
+        elapsed: list[float] = []
+        yield elapsed
+        elapsed.append(clock[0])
+
+    monkeypatch.setattr(_tuning, "stopwatch", stopwatch)
+    return clock
+
+
+def test_every_candidate_warms_up_then_those_within_retime_run_again(fake_clock) -> None:
+    """Warm-up, one timed run each, then a second round for those within RETIME of the
+    fastest (the faster time counting); a failed candidate is absent."""
+    seconds = {"a": [9.0, 1.0, 0.8], "b": [9.0, 2.5, 3.0], "c": [9.0, 4.0], "d": [None]}
+    calls: list[str] = []
+
+    def run(k: str) -> float | None:
+        calls.append(k)
+        t = seconds[k].pop(0)
+        if t is None:
+            return None
+        fake_clock[0] = t
+        return 1.0
+
+    probes = _tuning.COUNTS["probe"]
+    times = _tuning.time_candidates(["a", "b", "c", "d"], run)
+    assert calls == ["a", "a", "b", "b", "c", "c", "d", "a", "b"]
+    assert times == {"a": 0.8, "b": 2.5, "c": 4.0}
+    assert _tuning.COUNTS["probe"] == probes + 5  # timed runs only, not warm-ups
+
+
+def test_a_skipped_candidate_is_not_timed_and_units_divide(fake_clock) -> None:
+    def run(k: str) -> float:
+        fake_clock[0] = {"a": 4.0, "b": 40.0}[k]
+        return 4.0  # four samples: seconds per sample
+
+    times = _tuning.time_candidates(
+        ["a", "b"], run, skip=lambda k, warm, times: bool(times) and warm > 4 * min(times.values())
+    )
+    assert times == {"a": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("times", "prefer", "chosen"),
+    [
+        ({"small": 1.0, "large": 1.04}, "large".__eq__, "large"),  # within TIE: the preferred
+        ({"small": 1.0, "large": 1.06}, "large".__eq__, "small"),  # outside TIE: the fastest
+        ({"small": 1.04, "large": 1.0}, None, "large"),  # no preference: the fastest
+    ],
+    ids=["tie-goes-to-preferred", "no-tie", "no-preference"],
+)
+def test_pick_breaks_ties_by_the_callers_preference(times, prefer, chosen) -> None:
+    assert _tuning.pick(times, prefer=prefer) == chosen
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 36, 3)).to(
+        DTYPE
+    )
+
+
+def _data(n: int = 24) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 3, 8, 8, generator=g, dtype=DTYPE), torch.randint(0, 3, (n,)))]
+
+
+def _ragged() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    sizes = [8, 8, 10, 10, 8, 10, 8, 10, 8]
+    return [torch.randn(3, s, s, generator=g, dtype=DTYPE) for s in sizes]
+
+
+class _Fcn(nn.Module):
+    """A per-pixel head: outputs as large as the input (ragged samples, ragged outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh())
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _work() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine (ragged), the Fisher and the Jacobian-norm regulariser, each measuring."""
+    fcn = _Fcn().to(DTYPE)
+    jac = mj.per_sample_jacobian(fcn, _ragged(), params="head.*", tune="measure").jacobian
+    fisher = mj.diag_fisher(_net(), _data(), tune="measure").flat
+    norm = mj.jacobian_sq_norm(_net(), _data(70)[0][0], tune="measure")
+    return jac, fisher, norm
+
+
+def _counts() -> tuple[int, int, int]:
+    info = mj.plan_cache_info()
+    return info.measured, info.surveyed, info.probed
+
+
+def test_saved_decisions_measure_nothing_after_load(tmp_path) -> None:
+    """What the engine, the Fisher and the Jacobian-norm regulariser measured, saved and loaded
+    into an emptied cache: new models of the same structure run the saved choices (no
+    measuring pass, survey or probe) to the same numbers."""
+    first = _work()
+    assert _counts()[2] > 0  # it measured
+    path = tmp_path / "decisions.pt"
+    written = mj.tuning.save(path)
+    assert written >= 3
+    mj.clear_plan_cache()
+    assert mj.tuning.load(path) == written
+    again = _work()
+    assert _counts() == (0, 0, 0)
+    for a, b in zip(first, again):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_a_decision_from_another_machine_setting_is_not_used(tmp_path) -> None:
+    """The key holds the environment (here: the CPU threads): a decision measured with other
+    settings is ignored and the call measures again."""
+    mj.diag_fisher(_net(), _data(), tune="measure")
+    path = tmp_path / "decisions.pt"
+    mj.tuning.save(path)
+    mj.clear_plan_cache()
+    mj.tuning.load(path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        res = mj.diag_fisher(_net(), _data(), tune="measure")
+    finally:
+        torch.set_num_threads(threads)
+    assert _counts()[2] > 0 and not any(n.startswith("cached") for n in res.notes), res.notes
+
+
+def test_a_foreign_file_is_refused(tmp_path) -> None:
+    """Not a decision file, or one holding anything but plain data and the library's decision
+    types (read with ``weights_only=True``): a ValueError naming the file."""
+    plain = tmp_path / "weights.pt"
+    torch.save({"w": torch.zeros(2)}, plain)
+    with pytest.raises(ValueError, match=re.escape(str(plain))):
+        mj.tuning.load(plain)
+    code = tmp_path / "code.pt"
+    torch.save({"format": _tuning._FORMAT, "decisions": {"plans": {"k": nn.Linear(1, 1)}}}, code)
+    with pytest.raises(ValueError, match=re.escape(str(code))):
+        mj.tuning.load(code)
+    assert len(_tuning.PLAN_CACHE.known) == 0
+
+
+def test_closures_key_by_what_they_hold() -> None:
+    """Two output functions of the same code holding different values have different keys; one
+    holding a tensor cannot be written at all (its state is not its code)."""
+
+    def span(a: int):
+        return lambda out: out[:, a:]
+
+    model = nn.Linear(2, 2)
+    k1 = _tuning.portable_key(model, ("x", span(1)))
+    k2 = _tuning.portable_key(model, ("x", span(2)))
+    assert k1 != k2 and k1 == _tuning.portable_key(model, ("x", span(1)))
+    w = torch.ones(2)
+    with pytest.raises(_tuning._Unportable):
+        _tuning.portable_key(model, ("x", lambda out: out * w))
+
+
+def test_tune_false_never_probes_a_kernel(measuring, monkeypatch) -> None:
+    """The layer-wise convolution kernels are timed under ``auto`` / ``measure`` only: with
+    ``tune=False`` the columns run and nothing is timed or cached."""
+    from multiscale_jac import layerwise
+
+    monkeypatch.setattr(layerwise, "PROBE_MIN_FLOPS", 0.0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16, 3))
+    data = [(torch.randn(6, 8, 4, 4), torch.randint(3, (6,)))]
+    mj.diag_fisher(model, data, method="layerwise", tune=False)
+    assert _counts()[2] == 0 and len(_tuning.KERNEL_CACHE) == 0
+    mj.diag_fisher(model, data, method="layerwise", tune=True)
+    assert _counts()[2] > 0 and len(_tuning.KERNEL_CACHE) > 0
+
+
+def test_the_clock_is_read_in_tuning_alone() -> None:
+    """One place measures: no other module of the package reads a clock."""
+    package = ROOT / "multiscale_jac"
+    readers = [
+        str(p.relative_to(package))
+        for p in sorted(package.rglob("*.py"))
+        if p.name != "_tuning.py"
+        and any(
+            w in p.read_text() for w in ("perf_counter", "stopwatch(", "monotonic(", "time.time(")
+        )
+    ]
+    assert readers == []
+
+
+@pytest.mark.slow
+def test_the_environment_variable_names_a_file_that_outlives_the_process(tmp_path) -> None:
+    """``MULTISCALE_JAC_TUNING_CACHE``: the first process measures and writes the file at exit;
+    the second reads it and measures nothing."""
+    script = textwrap.dedent(
+        """
+        import torch, multiscale_jac as mj
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        x = torch.randn(40, 5)
+        mj.diag_fisher(model, [(x, torch.randint(0, 3, (40,)))], tune="measure")
+        print(mj.plan_cache_info().probed)
+        """
+    )
+    env = {**os.environ, _tuning.ENV_VAR: str(tmp_path / "decisions.pt")}
+    env["PYTHONPATH"] = str(ROOT)
+
+    def probes() -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+        return int(out.stdout.split()[-1])
+
+    assert probes() > 0
+    assert (tmp_path / "decisions.pt").exists()
+    assert probes() == 0
