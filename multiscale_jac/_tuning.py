@@ -20,6 +20,12 @@ The rules (one meaning everywhere):
 - **Tie**: candidates within :data:`TIE` of the fastest cannot be told apart by the timing; the
   caller's preferred one among them wins (the larger chunk: fewer calls; the layer-wise
   kernels' columns: no cliff).
+- **Pays**: ``tune="auto"`` measures on a call only where the estimated cost of measuring
+  (the candidates' extra time over the estimate's choice, their warm-ups included; timed
+  work that counts towards the result costs only its difference) is at most :data:`PAYS` of
+  the call's estimated work, or where the same call (same key) ran before without measuring:
+  a user who repeats a call has at least one more call of work left, and the measured choice
+  serves every later one (:func:`decide`). A one-shot call runs the estimate's choice.
 - **Switch**: :func:`auto_measures` says whether ``tune="auto"`` may measure at all; the tests'
   fixture turns it off so that routes follow the cost model alone (``tune="measure"`` still
   measures, ``tune=False`` never does).
@@ -53,9 +59,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from .enums import Tune
+
 __all__ = [
     "COUNTS",
     "ENV_VAR",
+    "PAYS",
     "KERNEL_CACHE",
     "PLAN_CACHE",
     "RETIME",
@@ -63,6 +72,8 @@ __all__ = [
     "DecisionCache",
     "auto_measures",
     "clear",
+    "decide",
+    "deferred_note",
     "environment",
     "load",
     "pick",
@@ -83,6 +94,9 @@ K = TypeVar("K", bound=Hashable)
 RETIME = 3.0
 #: candidates within this factor of the fastest are a tie: the caller's preferred one wins
 TIE = 1.05
+#: ``tune="auto"`` measures on a first call only where measuring is estimated to cost at most
+#: this fraction of the call's work (:func:`decide`)
+PAYS = 0.25
 
 #: how often planning measured a forward pass, surveyed structured costs and timed a candidate
 #: (read by :func:`~multiscale_jac.plan_cache_info`)
@@ -220,8 +234,8 @@ class DecisionCache:
     a model of the same structure met later, in this process or after :func:`load` in
     another, finds them. Cleared by :func:`~multiscale_jac.clear_plan_cache`."""
 
-    def __init__(self, name: str, maxsize: int = 128) -> None:
-        self.name, self.maxsize = name, maxsize
+    def __init__(self, name: str, maxsize: int = 128, *, portable: bool = True) -> None:
+        self.name, self.maxsize, self.portable = name, maxsize, portable
         self.hits = self.misses = 0
         self._entries: collections.OrderedDict[Any, tuple[weakref.ref, Any]] = (
             collections.OrderedDict()
@@ -257,7 +271,7 @@ class DecisionCache:
         self._entries.move_to_end((ident, key))
         while len(self._entries) > self.maxsize:
             self._entries.popitem(last=False)
-        portable = _portable_or_none(owner, key)
+        portable = _portable_or_none(owner, key) if self.portable else None
         if portable is not None:
             self.learn({portable: value})
 
@@ -288,6 +302,32 @@ PLAN_CACHE = DecisionCache("plans")
 #: measured kernel choices per layer and size class (the layer-wise rules' convolutions),
 #: apart so that a deep model's layers never push whole plans out
 KERNEL_CACHE = DecisionCache("kernels", maxsize=1024)
+#: calls that ran once without measuring because it did not pay (:func:`decide`); in this
+#: process only
+DEFERRED = DecisionCache("deferred", maxsize=1024, portable=False)
+
+
+def decide(tune: Tune, owner: Any, key: Any, *, extra: float, work: float) -> str:
+    """Whether a call measures: ``"measure"``, ``"estimate"`` (the cost model alone) or
+    ``"defer"`` (``tune="auto"``: measuring would cost more than :data:`PAYS` of the call's
+    work; the call runs the estimate's choice, and the same call (``owner``, ``key``) met
+    again measures). ``extra`` and ``work`` in any one unit (seconds or samples)."""
+    if tune is Tune.MEASURE:
+        return "measure"
+    if tune is Tune.ESTIMATE or not auto_measures():
+        return "estimate"
+    if extra <= PAYS * work or DEFERRED.get(owner, key) is not None:
+        return "measure"
+    DEFERRED.put(owner, key, True)
+    return "defer"
+
+
+def deferred_note(extra: float, work: float) -> str:
+    """The note of a call whose measuring was deferred (:func:`decide`)."""
+    return (
+        f"tune: measuring would cost about {extra / max(work, 1e-12):.0%} of this call's work "
+        f"(more than {PAYS:.0%}): ran the estimate; the same call again measures"
+    )
 
 
 def clear() -> None:

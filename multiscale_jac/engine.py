@@ -48,7 +48,16 @@ from ._planning import (
     replay,
     span_tensor,
 )
-from ._tuning import COUNTS, PLAN_CACHE, auto_measures, pick, seconds, time_candidates
+from ._tuning import (
+    COUNTS,
+    PLAN_CACHE,
+    auto_measures,
+    decide,
+    deferred_note,
+    pick,
+    seconds,
+    time_candidates,
+)
 from ._tuning import clear as clear_decisions
 from .adapter import PerSampleFunction
 from .entries import NotStructuredError, entry_call
@@ -320,14 +329,18 @@ class _RouteTiming:
         # sample has a shape of its own (each route then runs samples of its own); the
         # samples per call only where a bucket has several
         largest = max(len(b.indices) for b in self.packed.buckets())
-        if (len(trial) > 1 or self.resizable(plan)) and (
-            o.tune is Tune.MEASURE
-            or (
-                auto_measures()
-                and len(self.packed) >= MIN_PROBE_BATCH
-                and (largest >= 2 or len(trial) > 1)
-            )
+        if not (len(trial) > 1 or self.resizable(plan)):
+            return ran, plan
+        if o.tune is not Tune.MEASURE and (
+            len(self.packed) < MIN_PROBE_BATCH or (largest < 2 and len(trial) < 2)
         ):
+            return ran, plan
+        extra, work = self.timing_cost(first, trial, estimates, largest)
+        verdict = decide(o.tune, self.fn.model, self.key, extra=extra, work=work)
+        if verdict == "defer":
+            self.deferred = True
+            self.notes.append(deferred_note(extra, work))
+        if verdict == "measure":
             self.trial, self.estimates = trial, estimates
             if error != SHORTLIST and len(trial) > 1:
                 self.notes.append(
@@ -335,6 +348,26 @@ class _RouteTiming:
                     f"output): the routes estimated within {error:g}x of the best are timed"
                 )
         return ran, plan
+
+    def timing_cost(
+        self,
+        first: tuple[Strategy, Mode, Entries],
+        trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]],
+        estimates: dict[tuple[Strategy, Mode, Entries], float],
+        largest: int,
+    ) -> tuple[float, float]:
+        """The estimated seconds that timing ``trial`` adds to the call and the call's own
+        (the estimate's choice ``first`` for the job), by the cost model: each route's
+        one-sample warm-up, and on its timed samples (a share of the largest bucket, twice
+        with the second round) what it costs over ``first`` (the samples count towards the
+        result); one more warm-up call for the samples per call."""
+        n = len(self.packed)
+        per = {k: estimates[k] / n for k, _ in trial}
+        share = max(largest // len(trial) - 1, min(largest, MIN_PROBE_SAMPLES))
+        extra = sum(per.values()) + sum(
+            2 * share * max(0.0, per[k] - per[first]) for k in per if k != first
+        )
+        return extra + per[first], estimates[first]
 
     def resizable(self, plan: VectorPlan) -> bool:
         """Whether the samples per vectorised call are ``auto``'s to time: the caller set no
@@ -597,6 +630,9 @@ class _EngineRun(_RouteTiming):
         self.spread = False
         #: the most ops between a selected entry and the output (:meth:`tune`)
         self.depth = 0
+        #: ``tune="auto"`` found measuring too dear for this call: nothing cached, the same
+        #: call again measures (:func:`~multiscale_jac._tuning.decide`)
+        self.deferred = False
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
@@ -725,7 +761,7 @@ class _EngineRun(_RouteTiming):
                 "structured": structured,
             }
             jac = self.fn.subset.to_flat_order(jac)  # the loop's rows are in that order already
-            if self.cached is None and not self.fallbacks:
+            if self.cached is None and not self.fallbacks and not self.deferred:
                 PLAN_CACHE.put(self.fn.model, self.key, decision(plan, structured, self.notes))
             return self.result(jac, outputs, plan.sizes, ran, plan.mode, **extra)
         jac, outputs, sizes = loop_jacobian(self.fn, self.packed)

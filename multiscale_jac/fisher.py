@@ -58,7 +58,15 @@ from ._likelihood import (
 )
 from ._planning import EngineOptions, cpu_chunk_cap, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
-from ._tuning import PLAN_CACHE, auto_measures, pick, register_types, time_candidates
+from ._tuning import (
+    PLAN_CACHE,
+    auto_measures,
+    decide,
+    deferred_note,
+    pick,
+    register_types,
+    time_candidates,
+)
 from .adapter import PerSampleFunction
 from .engine import run_engine
 from .enums import (
@@ -368,6 +376,14 @@ class _FisherTuning:
         n = len(bucket.indices)
         plan, (asked, vmap_chunk) = self.plan, self.chunks
         sizes = [asked] if asked else [min(n, _VMAP_CHUNK), min(n, _LAYERWISE_CHUNK)]
+        # in samples: the dropped runs (the other sizes' warm-ups, one timed run each, a
+        # second round), against the batch's own samples
+        extra = sum(sizes[:-1]) + min(n, vmap_chunk) + 2 * (sum(sizes) + min(n, vmap_chunk))
+        verdict = decide(self.opts.tune, self.prep.model, self.key, extra=extra, work=len(packed))
+        if verdict == "defer":
+            self.notes.append(deferred_note(extra, len(packed)))
+        if verdict != "measure":
+            return False
         self.chunks = (sizes[-1], vmap_chunk)
         self._add_terms(fn, packed, targets)  # the batch, counted; warms the last size
         if self.plan is None:  # layer-wise fell back: vmap

@@ -48,7 +48,16 @@ from ._planning import (
     subset_key,
 )
 from ._stream import with_progress
-from ._tuning import PLAN_CACHE, RETIME, auto_measures, pick, register_types, time_candidates
+from ._tuning import (
+    PLAN_CACHE,
+    RETIME,
+    auto_measures,
+    decide,
+    deferred_note,
+    pick,
+    register_types,
+    time_candidates,
+)
 from .enums import (
     BatchNormPolicy,
     Estimator,
@@ -425,6 +434,14 @@ class _Job:
                 f"{len(routes)} routes on the data: ran the estimate"
             )
             return
+        # in samples: those of the routes but the estimate's (counted, at up to twice its
+        # time a sample), twice with the second round, against the job's
+        ours = (self.method, self.chunk_for(self.method))
+        extra = 2 * sum(route[1] for route in routes if route != ours)
+        verdict = decide(tune, self.fn.model, self.key, extra=extra, work=len(self.packed))
+        if verdict == "defer":
+            self.notes.append(deferred_note(extra, len(self.packed)))
+            return
         self.trial = routes
 
     def _trial_routes(
@@ -584,7 +601,7 @@ class _Job:
             chunks = self._progress(self._chunks(done))
             if self.method is JacNormMethod.LAYERWISE:
                 try:
-                    return self._add(total, self._run_layerwise(with_grad, chunks))
+                    return _add_into(total, self._run_layerwise(with_grad, chunks))
                 except NotLayerwiseError as err:
                     if self.strict:
                         raise ValueError(f"jacobian_sq_norm(method='layerwise'): {err}") from err
@@ -593,21 +610,12 @@ class _Job:
                     self.notes.append(msg)
                     self.method = JacNormMethod.VMAP
                     chunks = self._progress(self._chunks(done))
-            return self._add(total, self._route(self.method)(with_grad, chunks))
+            return _add_into(total, self._route(self.method)(with_grad, chunks))
 
     def _zero(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         value = next(iter(self.fn.params.values())).new_zeros(())
         grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
         return value, grads
-
-    def _add(
-        self, total: tuple[Tensor, dict[str, Tensor]], part: tuple[Tensor, dict[str, Tensor]]
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """``total += part`` (the gradient of the trainable parameters only), in place."""
-        total[0].add_(part[0])
-        for n, g in total[1].items():
-            g += part[1][n]
-        return total
 
     def _try_routes(self, total: tuple[Tensor, dict[str, Tensor]], done: set[int]) -> None:
         """Run the first chunks of the largest bucket with each route of :attr:`trial` (after
@@ -671,7 +679,7 @@ class _Job:
             self.notes.append(f"tune: {method.value} failed on the data ({err})")
             return None
         if counted:
-            self._add(total, part)
+            _add_into(total, part)
             done.update(idx)
             del pool[: len(idx)]
         return len(idx)
@@ -800,3 +808,13 @@ class _Job:
                 s = sum(torch.dot(t.reshape(-1), t.reshape(-1)) for t in gs)
             value = value + s * scale
         return value, grads
+
+
+def _add_into(
+    total: tuple[Tensor, dict[str, Tensor]], part: tuple[Tensor, dict[str, Tensor]]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``total += part`` (the gradient of the trainable parameters only), in place."""
+    total[0].add_(part[0])
+    for n, g in total[1].items():
+        g += part[1][n]
+    return total

@@ -98,11 +98,17 @@ def _deterministic_routes():
 
 
 @pytest.fixture
-def measuring():
-    """``tune="auto"`` measures as outside the tests (the switch on)."""
-    from multiscale_jac import _tuning
+def measuring(monkeypatch):
+    """``tune="auto"`` measures (the switch on) wherever it has the samples to, on the first
+    call: measuring counts as paying (the rule of :func:`multiscale_jac._tuning.decide` has
+    tests of its own)."""
+    from multiscale_jac import _tuning, engine
 
     _tuning.set_auto_measures(True)
+    monkeypatch.setattr(_tuning, "PAYS", float("inf"))
+    # the small-job rule times one forward pass: off, so that a job near its threshold
+    # (0.1 s) plans the same way under load (its own test turns it on)
+    monkeypatch.setattr(engine, "SMALL_JOB_S", 0.0)
 
 
 def jacnorm_jobs(monkeypatch) -> list:

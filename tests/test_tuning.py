@@ -246,3 +246,66 @@ def test_the_environment_variable_names_a_file_that_outlives_the_process(tmp_pat
     assert probes() > 0
     assert (tmp_path / "decisions.pt").exists()
     assert probes() == 0
+
+
+# ---------------------------------------------------------------------- measuring pays
+@pytest.mark.parametrize(
+    ("extra", "work", "first", "second"),
+    [(1.0, 10.0, "measure", "measure"), (5.0, 10.0, "defer", "measure")],
+    ids=["pays", "deferred-then-measured"],
+)
+def test_decide_measures_where_it_pays_or_the_call_repeats(
+    measuring, monkeypatch, extra, work, first, second
+) -> None:
+    monkeypatch.setattr(_tuning, "PAYS", 0.25)
+    owner = nn.Linear(1, 1)
+    assert _tuning.decide(mj.Tune.AUTO, owner, "k", extra=extra, work=work) == first
+    assert _tuning.decide(mj.Tune.AUTO, owner, "k", extra=extra, work=work) == second
+    assert _tuning.decide(mj.Tune.ESTIMATE, owner, "j", extra=0.0, work=1.0) == "estimate"
+    assert _tuning.decide(mj.Tune.MEASURE, owner, "j", extra=9.0, work=1.0) == "measure"
+    _tuning.set_auto_measures(False)
+    assert _tuning.decide(mj.Tune.AUTO, owner, "j", extra=0.0, work=1.0) == "estimate"
+
+
+def _one_shot_then_repeated(call) -> list[int]:
+    """Probes counted by each of three calls of ``call``."""
+    counts = []
+    for _ in range(3):
+        before = _counts()[2]
+        notes = call()
+        counts.append(_counts()[2] - before)
+        deferred = any("ran the estimate; the same call again measures" in n for n in notes)
+        assert deferred == (len(counts) == 1), notes
+    return counts
+
+
+def test_each_entry_point_defers_measuring_a_one_shot_call(measuring, monkeypatch) -> None:
+    """Where measuring costs more than PAYS of a call (small jobs here), ``tune="auto"`` runs
+    the estimate's choice on the first call (nothing timed, a note says so), measures on the
+    second call of the same shapes and runs the cached choice from the third: a one-shot
+    call never pays for measuring."""
+    from multiscale_jac import engine
+
+    monkeypatch.setattr(_tuning, "PAYS", 0.25)
+    monkeypatch.setattr(engine, "SMALL_JOB_S", 0.0)
+    monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 4)
+    fcn, fisher_net, norm_net = _Fcn().to(DTYPE), _net(), _net()
+    ragged, data, x = _ragged(), _data(), _data(200)[0][0]
+    runs = {
+        "per_sample_jacobian": lambda: mj.per_sample_jacobian(fcn, ragged, params="head.*").notes,
+        "diag_fisher": lambda: mj.diag_fisher(fisher_net, data).notes,
+    }
+    for name, call in runs.items():
+        first, second, third = _one_shot_then_repeated(call)
+        assert first == 0 and second > 0 and third == 0, name
+    jobs: list = []
+    from multiscale_jac import jacnorm
+
+    init = jacnorm._Job.__init__
+    monkeypatch.setattr(
+        jacnorm._Job, "__init__", lambda self, *a, **k: (init(self, *a, **k), jobs.append(self))[0]
+    )
+    first, second, third = _one_shot_then_repeated(
+        lambda: (mj.jacobian_sq_norm(norm_net, x), jobs[-1].notes)[1]
+    )
+    assert first == 0 and second > 0 and third == 0
