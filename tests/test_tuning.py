@@ -309,3 +309,21 @@ def test_each_entry_point_defers_measuring_a_one_shot_call(measuring, monkeypatc
         lambda: (mj.jacobian_sq_norm(norm_net, x), jobs[-1].notes)[1]
     )
     assert first == 0 and second > 0 and third == 0
+
+
+def test_a_layers_kernels_are_timed_the_second_time_it_is_met(measuring, monkeypatch) -> None:
+    """Timing a convolution's kernels costs several runs of the layer: under ``auto`` its
+    first meeting runs columns (nothing timed or cached), the second times them, the third
+    runs the cached choice."""
+    from multiscale_jac import layerwise
+
+    monkeypatch.setattr(_tuning, "PAYS", 0.25)
+    monkeypatch.setattr(layerwise, "PROBE_MIN_FLOPS", 0.0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16, 3))
+    data = [(torch.randn(6, 8, 4, 4), torch.randint(3, (6,)))]
+    probes = []
+    for _ in range(3):
+        before = _counts()[2]
+        mj.diag_fisher(model, data, method="layerwise")
+        probes.append(_counts()[2] - before)
+    assert probes[0] == 0 and probes[1] > 0 and probes[2] == 0, probes
