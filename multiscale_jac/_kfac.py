@@ -116,6 +116,7 @@ from ._checks import (
     prepare,
 )
 from ._likelihood import check_targets, draw_noise, labels_from_noise, nll_sum, output_dim
+from ._memory import chunk_in, kfac_kept, kfac_sample
 from ._planning import measure
 from ._stream import pair, split_targets, with_progress
 from .adapter import PerSampleFunction
@@ -503,7 +504,7 @@ def _input_moments(m: nn.Module, x: Tensor, n: int, temp_bytes: int, name: str) 
         size = per * _patch_size(m)
     k = _patch_size(m)
     joint = x.new_zeros(k + 1, k + 1)
-    step = max(1, temp_bytes // max(1, 2 * size * x.element_size()))
+    step = chunk_in(temp_bytes, 2 * size, x.element_size(), n)
     total = 0
     for s in range(0, n, step):
         u = blocks(s, min(n, s + step))
@@ -656,10 +657,9 @@ class _KronRun:
         if opts.memory_budget is None:
             return opts.chunk, DEFAULT_TEMP_BYTES
         itemsize = self.layers[0].a.element_size()
-        kept = 2 * itemsize * sum(la.a.numel() + la.g.numel() for la in self.layers)
+        kept = kfac_kept(sum(la.a.numel() + la.g.numel() for la in self.layers), itemsize)
         fp = measure(fn, fn.values(), tuple(packed.sample(packed.largest_sample)))
-        # the graph, the output copies and one objective's output gradients
-        one = 3 * fp.activations
+        one = kfac_sample(fp.activations)
         if kept + one + _MIN_TEMP_BYTES > opts.memory_budget:
             raise MemoryBudgetError(
                 opts.memory_budget,

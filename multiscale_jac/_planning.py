@@ -2,7 +2,7 @@
 estimate and the chunks (:func:`plan_strategy`, :func:`choose_strategy`); the engine runs the
 plans (:mod:`~multiscale_jac.engine`).
 
-The memory estimate (documented in ``docs/design.md``, :func:`per_sample_bytes`) uses three
+The memory estimate (documented in ``docs/design.md``, :mod:`~multiscale_jac._memory`) uses three
 numbers measured on one forward pass of one sample of each bucket (:func:`measure`): ``A``, the
 bytes autograd saves for the backward pass (the activations); ``M``, the bytes of the largest
 single saved tensor; and ``O``, the number of outputs. A vectorised call over ``n`` samples
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._memory import engine_result, engine_rev_step, engine_sample, tensor_bytes
 from ._ops import AT
 from ._tuning import COUNTS, register_types
 from .adapter import PerSampleFunction
@@ -43,7 +44,7 @@ __all__ = [
     "estimate_seconds",
     "first_line",
     "measure",
-    "per_sample_bytes",
+    "engine_minimum",
     "decision",
     "plan_chunks",
     "plan_key",
@@ -76,28 +77,12 @@ class EngineOptions:
 #: subset workload), larger on GPUs.
 DEFAULT_WORKSET_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
 
-#: CPU: the most bytes one tensor of a vectorised chunk should take by default. glibc serves
-#: a larger allocation (over its largest dynamic mmap threshold, 32 MiB on 64-bit) with a fresh
-#: mapping that every use page-faults in and every free unmaps, and PyTorch's CPU allocator
-#: keeps nothing: on a 3-conv CNN (a 369k-entry conv weight) the Jacobian-norm gradient in
-#: chunks of 32 samples (47 MB of per-sample gradient for that weight) took 0.44-0.96 s from
-#: call to call, in chunks of 16 a steady 0.42 s (2 cores, torch 2.13).
-CPU_TENSOR_BYTES = 32 * 2**20
-
 
 def even_chunk(k: int, bucket: int) -> int:
     """Samples per call for calls of at most ``k`` samples that split ``bucket`` samples
     evenly (16 samples in calls of at most 12: two calls of 8, not 12 and 4)."""
     k = min(k, bucket)
     return -(-bucket // -(-bucket // k))
-
-
-def cpu_chunk_cap(device: torch.device, bytes_per_sample: int) -> int | None:
-    """Samples per vectorised chunk that keep a tensor of ``bytes_per_sample`` per sample
-    under :data:`CPU_TENSOR_BYTES` on CPU (at least one); ``None`` elsewhere."""
-    if device.type != "cpu":
-        return None
-    return max(1, (CPU_TENSOR_BYTES - 1) // max(1, bytes_per_sample))
 
 
 @dataclass(frozen=True)
@@ -135,7 +120,7 @@ def measure(
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without plain storage
-            seen[id(t)] = t.numel() * t.element_size()
+            seen[id(t)] = tensor_bytes(t.numel(), t.element_size())
         return t
 
     leaves = tuple(v.detach().requires_grad_(True) for v in values)
@@ -168,19 +153,6 @@ def graph_depth(out: Tensor) -> int:
     return depth[root] - 1  # the leaves' AccumulateGrad nodes are no ops
 
 
-def per_sample_bytes(
-    fp: Footprint, mode: Mode, numel: int, itemsize: int, inner: int, per_step: int | None = None
-) -> int:
-    """One sample's working memory with ``inner`` rows (rev) or tangents (fwd) at once, for ``P``
-    (``numel``) selected entries of itemsize ``s``: ``A + inner * per_step + 2 O P s`` (one
-    forward, the per-sample Jacobian and its chunk pieces), ``per_step`` being ``2 M + P s`` (rev:
-    cotangents per layer and a parameter-gradient row) or ``2 M + O s`` (fwd: tangents per layer
-    and an output tangent) unless measured (the structured pass counts it, :class:`EntryCost`)."""
-    if per_step is None:
-        per_step = 2 * fp.largest + (numel if mode is Mode.REV else fp.outputs) * itemsize
-    return fp.activations + inner * per_step + 2 * fp.outputs * numel * itemsize
-
-
 def plan_chunks(
     group: Group,
     mode: Mode,
@@ -197,7 +169,8 @@ def plan_chunks(
         group: The group (its samples and footprint).
         mode: ``rev`` or ``fwd``.
         numel: P (fwd: of the tensor's tangent group).
-        per_step: Measured bytes per row/tangent, or ``None`` (see :func:`per_sample_bytes`).
+        per_step: Measured bytes per row/tangent, or ``None`` (see
+            :func:`~multiscale_jac._memory.engine_sample`).
         chunk_size: Samples per call fixed by the caller, or ``None``.
         available: Bytes left under the caller's ``memory_budget`` after the result, or
             ``None`` for no budget (then a default working-set target is used).
@@ -210,7 +183,8 @@ def plan_chunks(
     fp, bucket_size = group.footprint, len(group.indices)
     itemsize, device = like.element_size(), like.device
     full_inner = fp.outputs if mode is Mode.REV else numel  # rows (O) or tangents of a sample
-    full = per_sample_bytes(fp, mode, numel, itemsize, full_inner, per_step)
+    rev = mode is Mode.REV
+    full = engine_sample(fp, rev, numel, itemsize, full_inner, per_step)
     if available is None:
         target = DEFAULT_WORKSET_BYTES.get(device.type, DEFAULT_WORKSET_BYTES["cuda"])
         n = chunk_size or max(1, target // max(full, 1))
@@ -219,8 +193,8 @@ def plan_chunks(
     n = min(n, bucket_size)
     if n * full <= available:
         return Plan(n, None)
-    one = per_sample_bytes(fp, mode, numel, itemsize, 1, per_step)
-    step = one - per_sample_bytes(fp, mode, numel, itemsize, 0, per_step)
+    one = engine_sample(fp, rev, numel, itemsize, 1, per_step)
+    step = one - engine_sample(fp, rev, numel, itemsize, 0, per_step)
     inner = (available // n - (one - step)) // max(step, 1)
     if inner < 1:  # the caller checks the minimum first
         raise ValueError(f"memory_budget too small for {n} sample(s) with one row/tangent each")
@@ -556,7 +530,7 @@ def _steps(
             if name not in structured and fn.subset.indices[name] is not None
         )
         largest = max(m.footprint.largest for m in measured)
-        return [(fn.subset.numel, 2 * largest + (fn.subset.numel + dense) * itemsize)]
+        return [(fn.subset.numel, engine_rev_step(largest, fn.subset.numel, dense, itemsize))]
     steps: list[tuple[int, int | None]] = []
     for lo, hi in spans:
         name = span_tensor(fn.subset, (lo, hi))
@@ -564,7 +538,7 @@ def _steps(
         elems = None
         if cost is not None:
             elems = cost.structured_elems if name in structured else cost.generic_elems
-        steps.append((hi - lo, None if elems is None else elems * itemsize))
+        steps.append((hi - lo, None if elems is None else tensor_bytes(elems, itemsize)))
     return steps
 
 
@@ -584,17 +558,10 @@ def _available(
     budget, chunk_size = options.memory_budget, options.chunk_size
     if budget is None:
         return None
-    values = fn.values()
-    itemsize = values[0].element_size()
-    n, numel = len(sizes), fn.subset.numel
-    result_bytes = n * max(sizes) * (numel + 1) * itemsize  # the Jacobian and the outputs
-    need = max(  # one call of the smallest allowed size, one row/tangent at a time
-        min(chunk_size or 1, len(m.indices))
-        * per_sample_bytes(m.footprint, mode, width, itemsize, 1, per_step)
-        for m in measured
-        for width, per_step in steps
-    )
+    result_bytes, need = _least(fn, measured, sizes, mode, steps, chunk_size)
     if result_bytes + need > budget:
+        values = fn.values()
+        n, numel = len(sizes), fn.subset.numel
         unit = "output row" if mode is Mode.REV else "tangent"
         per_call = f"{chunk_size} samples" if chunk_size not in (None, 1) else "one sample"
         raise MemoryBudgetError(
@@ -604,6 +571,41 @@ def _available(
             f"{result_bytes} bytes and {per_call} with one {unit} at a time needs {need}",
         )
     return budget - result_bytes
+
+
+def _least(
+    fn: PerSampleFunction,
+    measured: list[Group],
+    sizes: list[int],
+    mode: Mode,
+    steps: list[tuple[int, int | None]],
+    chunk_size: int | None,
+) -> tuple[int, int]:
+    """The result's bytes and the least working set: one call of the smallest allowed size,
+    one row/tangent at a time (:mod:`~multiscale_jac._memory`)."""
+    itemsize = fn.values()[0].element_size()
+    numel = fn.subset.numel
+    result_bytes = engine_result(len(sizes), max(sizes), numel, itemsize)
+    need = max(
+        min(chunk_size or 1, len(m.indices))
+        * engine_sample(m.footprint, mode is Mode.REV, width, itemsize, 1, per_step)
+        for m in measured
+        for width, per_step in steps
+    )
+    return result_bytes, need
+
+
+def engine_minimum(
+    fn: PerSampleFunction, packed: PackedBatch, strategy: Strategy, options: EngineOptions
+) -> int:
+    """The least ``memory_budget`` the engine runs ``packed`` with under ``strategy`` (what a
+    :class:`MemoryBudgetError` states): planned as :func:`plan_strategy` plans, without
+    running it."""
+    measured, sizes = _measure_groups(fn, packed, strategy)
+    mode, structured, costs = _pick_mode(fn, measured, sizes, strategy, options, [])
+    spans = tangent_groups(fn.subset, mode, options.randomness)
+    steps = _steps(fn, measured, mode, spans, structured, costs)
+    return sum(_least(fn, measured, sizes, mode, steps, options.chunk_size))
 
 
 def choose_strategy(

@@ -91,15 +91,13 @@ class Entries(_StrEnum):
 
 
 class Tune(_StrEnum):
-    """How ``auto`` picks a route: ``estimate`` (the cost model alone), ``measure`` (time the
-    cost model's shortlist, and the samples per vectorised call where the caller gives no
-    ``chunk_size``, on the first samples of the run, always) or ``auto`` (time them on batches
-    of 8 samples or more, also where every sample has a shape of its own: each route then on
-    samples of its own; the shortlist spans 4x, 32x on a deep model; a job whose loop would
-    take under 0.1 s runs the cheapest plan without surveying; nothing is timed under a
-    ``memory_budget``). Timed samples stay in the
-    result; the choice is cached per shapes (docs/design.md, "How auto chooses"). ``True``
-    means ``measure`` and ``False`` ``estimate`` on every entry point that takes ``tune``."""
+    """How ``auto`` picks a route: ``estimate`` (the cost model alone: nothing timed, no timed
+    choice recalled), ``measure`` (time the cost model's shortlist on the call itself, always)
+    or ``auto`` (time it where measuring is estimated to cost at most 25% of the call's work,
+    or where the same call ran before without measuring: a one-shot call runs the estimate's
+    choice). Timed samples stay in the result; the choice is kept per shapes and can be saved
+    (:mod:`multiscale_jac.tuning`; docs/design.md, "How the library chooses"). ``True`` means
+    ``measure`` and ``False`` ``estimate`` on every entry point that takes ``tune``."""
 
     AUTO = "auto"
     MEASURE = "measure"

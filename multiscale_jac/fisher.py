@@ -56,7 +56,8 @@ from ._likelihood import (
     nll_sum,
     output_dim,
 )
-from ._planning import EngineOptions, cpu_chunk_cap, measure, plan_key
+from ._memory import cpu_chunk_cap, fisher_chunks, fisher_kept, fisher_sample
+from ._planning import EngineOptions, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from ._tuning import (
     PLAN_CACHE,
@@ -99,7 +100,7 @@ register_types(FisherMethod)  # in the decisions a file keeps (multiscale_jac.tu
 
 #: samples per vectorised call of the ``vmap`` route when neither ``chunk_size`` nor
 #: ``memory_budget`` says otherwise (on CPU fewer where one tensor's per-sample gradients
-#: would take 32 MiB: :func:`~multiscale_jac._planning.cpu_chunk_cap`; on the strided tanh CNN,
+#: would take 32 MiB: :func:`~multiscale_jac._memory.cpu_chunk_cap`; on the strided tanh CNN,
 #: 15 samples a call took 0.35-0.5x the time of 32)
 _VMAP_CHUNK = 32
 #: ``method="auto"`` times layer-wise against ``vmap`` on batches of this many samples
@@ -541,14 +542,15 @@ class _FisherRun(_FisherTuning):
         opts = self.opts
         if opts.memory_budget is None:  # on CPU, a chunk's gradients of one tensor < 32 MiB
             itemsize = fn.params[fn.subset.names[0]].element_size()
-            largest = max(hi - lo for lo, hi in fn.subset.offsets.values()) * itemsize
-            cap = cpu_chunk_cap(fn.device, largest) or _VMAP_CHUNK
+            largest = max(hi - lo for lo, hi in fn.subset.offsets.values())
+            cap = cpu_chunk_cap(fn.device, largest, itemsize) or _VMAP_CHUNK
             return opts.chunk, opts.chunk or min(_VMAP_CHUNK, cap)
         values = fn.values()
         itemsize = values[0].element_size()
-        kept = 3 * self.subset.numel * itemsize  # the accumulators and the result
+        numel = self.subset.numel
+        kept = fisher_kept(numel, itemsize)
         fp = measure(fn, values, tuple(packed.sample(packed.largest_sample)))
-        one = 2 * fp.activations + 2 * self.subset.numel * itemsize + _MIN_TEMP_BYTES
+        one = fisher_sample(fp.activations, numel, itemsize, _MIN_TEMP_BYTES)
         if kept + one > opts.memory_budget:
             raise MemoryBudgetError(
                 opts.memory_budget,
@@ -559,8 +561,7 @@ class _FisherRun(_FisherTuning):
         available = opts.memory_budget - kept
         self.temp_bytes = max(_MIN_TEMP_BYTES, min(DEFAULT_TEMP_BYTES, available // 4))
         spare = available - self.temp_bytes
-        layerwise = max(1, spare // max(1, 2 * fp.activations))
-        vmapped = max(1, spare // max(1, 3 * fp.activations + 2 * self.subset.numel * itemsize))
+        layerwise, vmapped = fisher_chunks(spare, fp.activations, numel, itemsize)
         return opts.chunk or layerwise, opts.chunk or vmapped
 
     def _terms(

@@ -38,10 +38,10 @@ from ._checks import (
     warn_fallback,
 )
 from ._distributed import Reducer
+from ._memory import cpu_chunk_cap, jacnorm_kept, jacnorm_sample, tensor_bytes
 from ._ops import twice_differentiable
 from ._planning import (
     EngineOptions,
-    cpu_chunk_cap,
     even_chunk,
     measure,
     plan_key,
@@ -89,7 +89,7 @@ _VMAP_BYTES = 256 * 2**20
 #: ``auto`` also times the ``vmap`` route at half its chunk when the chunk is at least this
 _HALF_CHUNK_FROM = 8
 #: ``auto`` also times ``vmap`` at up to this many times its default chunk (where the samples,
-#: :data:`_VMAP_BYTES` and on CPU :data:`~multiscale_jac._planning.CPU_TENSOR_BYTES` allow):
+#: :data:`_VMAP_BYTES` and on CPU :data:`~multiscale_jac._memory.CPU_TENSOR_BYTES` allow):
 #: 64 samples a chunk against 16 took 0.51x the time on a small transformer, 0.58x on a
 #: GroupNorm/depthwise CNN, 0.83x on an 8-conv CNN
 _LARGER = 4
@@ -482,7 +482,7 @@ class _Job:
         """The larger chunk ``vmap`` is also timed at: up to :data:`_LARGER` times its
         default ``chunk`` and the ``left`` samples of the ``largest`` bucket after the other
         routes' chunks, splitting the bucket evenly; within the route's default bytes and on
-        CPU :func:`~multiscale_jac._planning.cpu_chunk_cap` (32 samples a chunk ran 1.4x
+        CPU :func:`~multiscale_jac._memory.cpu_chunk_cap` (32 samples a chunk ran 1.4x
         slower than 16 on a 3-conv CNN, where a per-sample gradient crossed it); only with
         no ``chunk_size`` or ``memory_budget`` given (``chunk`` itself otherwise)."""
         chunk_size, budget, dtype = self._sizing
@@ -500,12 +500,12 @@ class _Job:
         itemsize = torch.empty((), dtype=dtype).element_size()
         names = self.mask if method is JacNormMethod.VMAP else self.fn.params
         largest = max(self.fn.params[n].numel() for n in names)
-        return cpu_chunk_cap(self.fn.device, max(self.outputs.values()) * largest * itemsize)
+        return cpu_chunk_cap(self.fn.device, max(self.outputs.values()) * largest, itemsize)
 
     def _row_grads_bytes(self, dtype: torch.dtype) -> int:
         """One sample's per-sample gradients of every output row (``vmap``'s chunk unit)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return max(self.outputs.values()) * self.subset.numel * itemsize
+        return tensor_bytes(max(self.outputs.values()) * self.subset.numel, itemsize)
 
     def chunk_for(self, method: JacNormMethod) -> int:
         """Samples per chunk of ``method`` (worked out once per method)."""
@@ -530,13 +530,11 @@ class _Job:
             default = min(default, self._cpu_cap(method, dtype) or default)
         if budget is None:
             return chunk_size or default
-        kept = 2 * numel * itemsize  # the gradient and its chunk's part
+        kept = jacnorm_kept(numel, itemsize)
         levels = tuple(self.packed.sample(self.packed.largest_sample))
         activations = measure(self.fn, self.fn.values(), levels).activations
-        if method is JacNormMethod.LAYERWISE:
-            one = 3 * activations + 2 * self.subset.numel * itemsize
-        else:
-            one = rows * (activations + 2 * numel * itemsize)
+        layerwise = method is JacNormMethod.LAYERWISE
+        one = jacnorm_sample(layerwise, activations, self.subset.numel, numel, rows, itemsize)
         if kept + one > budget:
             raise MemoryBudgetError(
                 budget,

@@ -54,6 +54,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from ._memory import chunk_in, tensor_bytes
 from ._ops import named, numeric_padding
 from ._tuning import KERNEL_CACHE, auto_measures, decide, pick, time_candidates
 from .adapter import PerSampleFunction
@@ -540,7 +541,7 @@ class LayerwiseRun:
         summed = (
             objectives > 1
             and not self.create_graph
-            and n * co * all_pairs * d.element_size() <= 4 * self.temp_bytes
+            and tensor_bytes(n * co * all_pairs, d.element_size()) <= 4 * self.temp_bytes
         )
         formed = objectives * COST_PER_ENTRY * all_pairs * co  # the pair products, summed
         gram = matmul + formed if summed else objectives * matmul
@@ -550,7 +551,7 @@ class LayerwiseRun:
 
     def _chunk(self, n: int, elems_per_sample: int, like: Tensor, cap: int | None = None) -> int:
         budget = self.temp_bytes if cap is None else min(cap, self.temp_bytes)
-        return max(1, min(n, budget // max(1, elems_per_sample * like.element_size())))
+        return chunk_in(budget, elems_per_sample, like.element_size(), n)
 
     def _add_per_sample(
         self,

@@ -231,3 +231,34 @@ def test_length_checks_can_fail() -> None:
 def test_bottom_layers_import_nothing_above(layer: str) -> None:
     allowed = {"enums": set(), "packing": {"enums"}, "subset": set()}[layer]
     assert _graph()[layer] <= allowed
+
+
+def _byte_arithmetic(tree: ast.AST) -> list[tuple[int, str]]:
+    """Arithmetic on bytes: a binary operation with an operand named ``activations`` or
+    ``itemsize``, or a call of ``element_size()``, outside ``estimate_seconds`` (the cost
+    model's seconds)."""
+    found = []
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "estimate_seconds":
+            skip.update(id(n) for n in ast.walk(node))
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.BinOp) or id(node) in skip:
+            continue
+        for side in (node.left, node.right):
+            name = getattr(side, "attr", None) or getattr(side, "id", None)
+            call = isinstance(side, ast.Call) and getattr(side.func, "attr", "") == "element_size"
+            if name in ("activations", "itemsize") or call:
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_only_the_memory_model_computes_a_working_set() -> None:
+    """One memory model (``_memory``): every working set, chunk from bytes and minimum of a
+    ``MemoryBudgetError`` is computed there; other modules pass it what they measured."""
+    offenders = {
+        module: found
+        for module, tree in _modules().items()
+        if module != "_memory" and (found := _byte_arithmetic(tree))
+    }
+    assert offenders == {}

@@ -361,7 +361,7 @@ def test_cpu_chunks_keep_per_sample_tensors_under_32_mib(
     """On CPU the default ``vmap`` / ``hvp`` chunk keeps a chunk's per-sample gradients of
     one tensor under 32 MiB (glibc maps larger allocations afresh on every call), and so
     does the larger chunk ``auto`` also times; the value is the one-sample loop's."""
-    from multiscale_jac._planning import CPU_TENSOR_BYTES
+    from multiscale_jac._memory import CPU_TENSOR_BYTES
 
     jobs = jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)

@@ -25,12 +25,19 @@ from torch import Tensor
 from .._checks import check_bool, check_generator, warn_fallback
 from .._distributed import Reducer
 from .._likelihood import check_target, ggn_factors, nll_sum, output_gradient
+from .._memory import (
+    laplace_column_chunk,
+    laplace_engine_growth,
+    laplace_reverse_rows,
+    laplace_row,
+    tensor_bytes,
+)
 from .._ops import twice_differentiable
-from .._planning import EngineOptions
+from .._planning import EngineOptions, engine_minimum
 from .._stream import Capture, pair, raw_output, split_targets, with_progress
 from ..adapter import PerSampleFunction
 from ..engine import run_engine
-from ..enums import HessianKind, Likelihood, MemoryBudgetError
+from ..enums import HessianKind, Likelihood, MemoryBudgetError, Strategy
 from ..fisher import diag_fisher
 from ..packing import PackedBatch
 from ._base import LaplaceBase, fitting
@@ -83,7 +90,7 @@ class BlockMemo:
         size = 0
         for b in blocks:
             if kept is not None:
-                size += (b.jac.numel() + b.out.numel()) * b.jac.element_size()
+                size += tensor_bytes(b.jac.numel() + b.out.numel(), b.jac.element_size())
                 if self.used + size <= self.cap:
                     kept.append(b)
                 else:
@@ -172,8 +179,9 @@ class JacobianStream(LaplaceBase):
     ) -> tuple[int, int | None]:
         """Bytes of Jacobian rows held at once (3 copies of each: rows, a copy, a product) and
         the engine's ``memory_budget``, from :attr:`memory_budget`: the ``(P, P)`` curvature and
-        its factor, and the engine's working set for the rows (asked of the engine itself, for
-        the rows of one output position of the largest sample) must fit."""
+        its factor, and the engine's working set for the rows (the engine's own minimum for the
+        rows of one output position of the largest sample, :func:`engine_minimum`) must fit;
+        every size from :mod:`~multiscale_jac._memory`."""
         if self.memory_budget is None:
             return DEFAULT_JACOBIAN_BYTES, None
         p, s = self.subset.numel, self.mean.element_size()
@@ -181,13 +189,13 @@ class JacobianStream(LaplaceBase):
         cls = self.likelihood is Likelihood.CLASSIFICATION
         i = packed.largest_sample
         least = int(shapes[i][0]) if cls else 1  # the rows of one output position
-        try:  # the engine's own minimum for those rows (it plans, then refuses a 1-byte budget)
-            probe = dataclasses.replace(options, memory_budget=1, strict=False)
-            self._engine(packed.select([i]), _span_fn(self.output_fn, 0, 1, cls), probe)
-            engine = 0
-        except MemoryBudgetError as err:
-            engine = err.minimum
-        ours = 3 * p * s  # per row: the rows, a copy, a product
+        one = packed.select([i])
+        fn = self._prep.function(
+            one, output_fn=_span_fn(self.output_fn, 0, 1, cls), model_kwargs=self._model_kwargs
+        )
+        strategy = Strategy.VMAP if options.strategy is Strategy.AUTO else options.strategy
+        engine = engine_minimum(fn, one, strategy, options)
+        ours = laplace_row(p, s)
         if kept + least * ours + engine > self.memory_budget:
             raise MemoryBudgetError(
                 self.memory_budget,
@@ -196,9 +204,7 @@ class JacobianStream(LaplaceBase):
                 f"Jacobian rows of one output position {least * ours} and the engine computing "
                 f"them {engine}",
             )
-        # the engine's working set grows by about 3 rows per row (its result, the outputs and
-        # the per-sample pieces)
-        grows = 3 * (p + 1) * s
+        grows = laplace_engine_growth(p, s)
         base = max(0, engine - least * grows)
         rows = max(least, (self.memory_budget - kept - base) // (ours + grows))
         return rows * ours, self.memory_budget - kept - rows * ours
@@ -225,7 +231,7 @@ class JacobianStream(LaplaceBase):
                 shape = raw_output(fn, values, tuple(packed.sample(bucket.indices[0]))).shape
                 for i in bucket.indices:
                     shapes[i] = shape[1:]
-        per_row = max(1, self.subset.numel * self.mean.element_size() * 3)
+        per_row = laplace_row(self.subset.numel, self.mean.element_size())
         options = EngineOptions(
             entries=self.entries,
             chunk_size=self.chunk_size,
@@ -330,7 +336,7 @@ class JacobianStream(LaplaceBase):
         one = packed.select([i])
         cls = self.likelihood is Likelihood.CLASSIFICATION
         width = math.prod(shape[1:]) if cls else math.prod(shape)
-        per_row = max(1, self.subset.numel * self.mean.element_size() * 3)
+        per_row = laplace_row(self.subset.numel, self.mean.element_size())
         step = max(1, row_bytes // (per_row * (shape[0] if cls else 1)))
         for a in range(0, width, step):
             b = min(width, a + step)
@@ -550,7 +556,7 @@ class SubsetCurvature(JacobianStream):
         p, s = self.subset.numel, out.element_size()
         c = out.shape[0] if out.dim() == 2 else 1
         width, total = out.shape[-1], out.numel()
-        step = max(1, row_bytes // (c * (3 * p + 2 * total) * s))
+        step = laplace_reverse_rows(row_bytes, c, p, total, s)
         h = out.new_zeros(p, p)
         for a in range(0, len(positions), step):
             q = positions[a : a + step]
@@ -579,8 +585,8 @@ class SubsetCurvature(JacobianStream):
         pullback is ``u -> J u``: a double backward, vmapped over the chunk's one-hot
         tangents), then ``Lambda J_A`` pulled back gives the rows ``H[A, :]``. ``k`` columns
         at a time from ``row_bytes`` (the chunk, ``Lambda J_A`` and the pulled copy)."""
-        p, column = self.subset.numel, out.numel() * out.element_size()
-        k = max(1, min(p, row_bytes // (3 * column)))
+        p = self.subset.numel
+        k = laplace_column_chunk(row_bytes, p, out.numel(), out.element_size())
         _, transposed = torch.func.vjp(pull, out.new_zeros(out.numel()))
         eye = torch.eye(p, dtype=out.dtype, device=out.device)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._memory import laplace_kept
 from ..subset import ParamSubset
 from ._posterior import PrecisionTerms
 
@@ -238,7 +239,7 @@ class KronForm:
         return scale.matmul(z, -0.5)
 
     def kept_bytes(self, subset: ParamSubset, itemsize: int) -> int:
-        return 4 * subset.numel * itemsize  # factors and eigenvectors: a bound for wide layers
+        return laplace_kept("kron", subset.numel, itemsize)
 
 
 def block_priors(h: KronCurvatureFactors, prior: Tensor) -> list[Tensor]:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from .._memory import laplace_kept
 from ..enums import HessianKind, Likelihood
 from ..subset import ParamSubset
 from ._base import LaplaceBase
@@ -126,8 +127,7 @@ class FullForm:
         return torch.linalg.solve_triangular(scale.T, z, upper=True)
 
     def kept_bytes(self, subset: ParamSubset, itemsize: int) -> int:
-        p = subset.numel  # the curvature and its factor
-        return 2 * p * p * itemsize + 4 * p * itemsize
+        return laplace_kept("full", subset.numel, itemsize)
 
 
 class DiagForm:
@@ -155,7 +155,7 @@ class DiagForm:
         return scale.unsqueeze(1) * z
 
     def kept_bytes(self, subset: ParamSubset, itemsize: int) -> int:
-        return 6 * subset.numel * itemsize
+        return laplace_kept("diag", subset.numel, itemsize)
 
 
 class Posterior(LaplaceBase):

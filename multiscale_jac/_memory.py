@@ -1,0 +1,186 @@
+"""One memory model: every route's working set as a function of the job, in bytes. Planning
+(samples per call, rows or tangents per step), the minimum a :class:`MemoryBudgetError` states
+and every entry point's budget read these functions; nothing else computes a working set (a
+test checks it).
+
+The inputs are what planning measured on one forward pass of one sample
+(:class:`~multiscale_jac._planning.Footprint`): ``A``, the bytes autograd saves for the backward
+pass (``activations``); ``M``, the largest single saved tensor (``largest``); ``O``, the outputs.
+``P`` is the number of selected entries and ``s`` the itemsize. The formulas are documented for
+users in ``docs/design.md`` ("Memory").
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+__all__ = [
+    "CPU_TENSOR_BYTES",
+    "chunk_in",
+    "cpu_chunk_cap",
+    "engine_rev_step",
+    "tensor_bytes",
+    "engine_result",
+    "engine_sample",
+    "fisher_kept",
+    "fisher_sample",
+    "fisher_chunks",
+    "jacnorm_kept",
+    "kfac_kept",
+    "kfac_sample",
+    "jacnorm_sample",
+    "laplace_column_chunk",
+    "laplace_engine_growth",
+    "laplace_kept",
+    "laplace_reverse_rows",
+    "laplace_row",
+]
+
+
+class _Footprint(Protocol):
+    activations: int
+    largest: int
+    outputs: int
+
+
+#: CPU: the most bytes one tensor of a vectorised chunk should take by default. glibc serves
+#: a larger allocation (over its largest dynamic mmap threshold, 32 MiB on 64-bit) with a fresh
+#: mapping that every use page-faults in and every free unmaps, and PyTorch's CPU allocator
+#: keeps nothing: on a 3-conv CNN (a 369k-entry conv weight) the Jacobian-norm gradient in
+#: chunks of 32 samples (47 MB of per-sample gradient for that weight) took 0.44-0.96 s from
+#: call to call, in chunks of 16 a steady 0.42 s (2 cores, torch 2.13).
+CPU_TENSOR_BYTES = 32 * 2**20
+
+
+def tensor_bytes(elems: int, itemsize: int) -> int:
+    """One tensor of ``elems`` entries."""
+    return elems * itemsize
+
+
+def cpu_chunk_cap(device: torch.device, elems_per_sample: int, itemsize: int) -> int | None:
+    """Samples per vectorised chunk that keep a tensor of ``elems_per_sample`` entries per
+    sample under :data:`CPU_TENSOR_BYTES` on CPU (at least one); ``None`` elsewhere."""
+    if device.type != "cpu":
+        return None
+    return max(1, (CPU_TENSOR_BYTES - 1) // max(1, elems_per_sample * itemsize))
+
+
+def chunk_in(budget: int, elems_per_sample: int, itemsize: int, samples: int) -> int:
+    """Samples (at most ``samples``, at least one) whose temporaries of ``elems_per_sample``
+    entries each fit ``budget``."""
+    return max(1, min(samples, budget // max(1, elems_per_sample * itemsize)))
+
+
+# ---------------------------------------------------------------------- the engine
+def engine_sample(
+    fp: _Footprint, rev: bool, numel: int, itemsize: int, inner: int, per_step: int | None = None
+) -> int:
+    """One sample's working memory with ``inner`` rows (``rev``) or tangents (fwd) at once:
+    ``A + inner * per_step + 2 O P s`` (one forward, the per-sample Jacobian and its chunk
+    pieces), ``per_step`` being ``2 M + P s`` (rev: cotangents per layer and a parameter-
+    gradient row) or ``2 M + O s`` (fwd: tangents per layer and an output tangent) unless
+    measured (the structured pass counts it)."""
+    if per_step is None:
+        per_step = 2 * fp.largest + (numel if rev else fp.outputs) * itemsize
+    return fp.activations + inner * per_step + 2 * fp.outputs * numel * itemsize
+
+
+def engine_rev_step(largest: int, numel: int, dense: int, itemsize: int) -> int:
+    """One output row of a reverse step: cotangents per layer (``2 M``), the row of ``P``
+    entries and the full gradients of the ``dense`` entries of generic selected tensors."""
+    return 2 * largest + (numel + dense) * itemsize
+
+
+def engine_result(samples: int, rows: int, numel: int, itemsize: int) -> int:
+    """The returned ``(N, O, P)`` Jacobian and its ``(N, O)`` outputs."""
+    return samples * rows * (numel + 1) * itemsize
+
+
+# ---------------------------------------------------------------------- diag_fisher
+def fisher_kept(numel: int, itemsize: int) -> int:
+    """The accumulators and the result over ``P`` entries."""
+    return 3 * numel * itemsize
+
+
+def fisher_sample(activations: int, numel: int, itemsize: int, temp: int) -> int:
+    """One sample's forward and backward with ``temp`` bytes of layer-wise temporaries."""
+    return 2 * activations + 2 * numel * itemsize + temp
+
+
+def fisher_chunks(available: int, activations: int, numel: int, itemsize: int) -> tuple[int, int]:
+    """Samples per layer-wise run (the forward kept for its backward passes, twice) and per
+    ``vmap`` call (three copies of the activations and the per-sample gradients) in
+    ``available`` bytes."""
+    layerwise = max(1, available // max(1, 2 * activations))
+    vmapped = max(1, available // max(1, 3 * activations + 2 * numel * itemsize))
+    return layerwise, vmapped
+
+
+# ---------------------------------------------------------------------- jacobian_sq_norm
+def jacnorm_kept(trainable: int, itemsize: int) -> int:
+    """The gradient of the trainable parameters and its chunk's part."""
+    return 2 * trainable * itemsize
+
+
+def jacnorm_sample(
+    layerwise: bool, activations: int, numel: int, trainable: int, rows: int, itemsize: int
+) -> int:
+    """One sample's pass: layer-wise, the forward kept for a double backward (three copies)
+    and the per-sample gradients of the ``P`` entries; ``vmap`` / ``hvp``, per output row a
+    forward and the trainable parameters' gradient with its graph."""
+    if layerwise:
+        return 3 * activations + 2 * numel * itemsize
+    return rows * (activations + 2 * trainable * itemsize)
+
+
+# ---------------------------------------------------------------------- K-FAC
+def kfac_kept(factor_numel: int, itemsize: int) -> int:
+    """The Kronecker factors (their entries) and their running sums."""
+    return 2 * factor_numel * itemsize
+
+
+def kfac_sample(activations: int) -> int:
+    """One sample's batched run: the graph, the output copies and one objective's output
+    gradients (three copies of the activations)."""
+    return 3 * activations
+
+
+# ---------------------------------------------------------------------- the Laplace fits
+def laplace_row(numel: int, itemsize: int) -> int:
+    """One Jacobian row the fit holds: the row, a copy and a product (three of ``P s``)."""
+    return max(1, 3 * numel * itemsize)
+
+
+def laplace_engine_growth(numel: int, itemsize: int) -> int:
+    """What the engine's working set grows by per row it returns: its result, the outputs and
+    the per-sample pieces (about three rows)."""
+    return 3 * (numel + 1) * itemsize
+
+
+def laplace_kept(structure: str, numel: int, itemsize: int) -> int:
+    """What a posterior keeps over ``P`` entries: ``full``, the ``(P, P)`` curvature and its
+    factor; ``diag``, six vectors; ``kron``, the factors and their eigenvectors (a bound for
+    wide layers)."""
+    if structure == "full":
+        return 2 * numel * numel * itemsize + 4 * numel * itemsize
+    if structure == "diag":
+        return 6 * numel * itemsize
+    if structure == "kron":
+        return 4 * numel * itemsize
+    raise ValueError(f"unknown posterior structure {structure!r}")
+
+
+def laplace_reverse_rows(
+    row_bytes: int, classes: int, numel: int, outputs: int, itemsize: int
+) -> int:
+    """Output positions whose rows one block of a sample's pullbacks may hold in ``row_bytes``:
+    per row its one-hot cotangent (``O``), the pulled copy and the row (``3 P``)."""
+    return max(1, row_bytes // (classes * (3 * numel + 2 * outputs) * itemsize))
+
+
+def laplace_column_chunk(row_bytes: int, numel: int, outputs: int, itemsize: int) -> int:
+    """Columns of ``J`` the column route holds at once in ``row_bytes``: each column, its
+    ``Lambda J`` and the pulled copy (three of ``O s``)."""
+    return max(1, min(numel, row_bytes // (3 * outputs * itemsize)))
