@@ -422,7 +422,7 @@ def save(path: str | os.PathLike[str]) -> int:
     Returns:
         The number of decisions written.
     """
-    data = {name: dict(cache.known) for name, cache in _CACHES.items()}
+    data = {name: dict(c.known) for name, c in _CACHES.items() if c.portable}
     tmp = Path(path).with_suffix(Path(path).suffix + ".tmp")
     torch.save({"format": _FORMAT, "decisions": data}, tmp)
     os.replace(tmp, path)

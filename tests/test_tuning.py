@@ -17,7 +17,6 @@ from torch import nn
 
 import multiscale_jac as mj
 from multiscale_jac import _tuning
-from multiscale_jac.layerwise import PROBE_MIN_FLOPS  # noqa: F401  (patched below)
 
 DTYPE = torch.float64
 ROOT = Path(__file__).resolve().parent.parent
