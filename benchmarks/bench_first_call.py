@@ -41,11 +41,11 @@ the same way (fixed seeds), then running one no-grad forward of the model on the
 the model has run before; the plain forward's one-time kernel set-up is charged to no one):
 
     library   the library's first call (tune default), timed (``timed_call``) under
-              ``measure_peak_memory`` (peak RSS rise over the post-setup resident set); then
-              ``multiscale_jac.tuning.save(path)`` (off the clock); a second call (not
-              counted), then warm calls (``timer_median``; where one call is slower than
-              ``--min-run-time``, three single calls, two with ``--quick``; the median);
-              then, in the same process, the user's code: its first call (after the
+              ``measure_peak_memory`` (peak RSS rise over the post-setup resident set); a
+              second call (not counted), then warm calls (``timer_median``; where one call is
+              slower than ``--min-run-time``, three single calls, two with ``--quick``; the
+              median); then ``multiscale_jac.tuning.save(path)`` (off the clock: a one-shot
+              first call defers measuring, its repeats measure); then, in the same process, the user's code: its first call (after the
               library's: ``user_first_after_library``), a second call and warm calls; the two
               results are compared (``rel_diff``).
     user      the user's code first (timed, with its peak RSS rise), a second call and warm
