@@ -353,9 +353,16 @@ def environment() -> tuple[Any, ...]:
 
 def _code(fn: types.FunctionType) -> str:
     """A function by its code: its name, byte code and constants (not its address)."""
-    code = fn.__code__
-    digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16]
-    return f"{fn.__module__}.{fn.__qualname__}:{digest}"
+    return f"{fn.__module__}.{fn.__qualname__}:{_code_digest(fn.__code__)}"
+
+
+def _code_digest(code: types.CodeType) -> str:
+    """Byte code and constants, nested code objects (comprehensions, lambdas, inner functions)
+    by their own digest: their ``repr`` holds their address, which differs per process."""
+    consts = tuple(
+        _code_digest(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts
+    )
+    return hashlib.sha256(code.co_code + repr(consts).encode()).hexdigest()[:16]
 
 
 def _plain(x: Any) -> Any:

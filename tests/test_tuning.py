@@ -191,6 +191,29 @@ def test_closures_key_by_what_they_hold() -> None:
         _tuning.portable_key(model, ("x", lambda out: out * w))
 
 
+def test_a_forward_with_a_comprehension_keys_the_same_in_every_process() -> None:
+    """A comprehension in ``forward`` is a nested code object whose ``repr`` holds its address:
+    the same source compiled twice (as in two processes) keys the same, other code does not."""
+    source = textwrap.dedent(
+        """
+        import torch
+        class Block(torch.nn.Module):
+            def forward(self, xs):
+                return torch.cat([x.flatten(1) {op} 1 for x in xs], dim=1)
+        """
+    )
+
+    def compiled(op: str) -> type:
+        space: dict = {}
+        exec(compile(source.format(op=op), "<model>", "exec"), space)
+        return space["Block"]
+
+    a, b, c = compiled("*"), compiled("*"), compiled("+")
+    assert repr(a.forward.__code__.co_consts) != repr(b.forward.__code__.co_consts)  # addresses
+    assert _tuning.portable_key(a(), ("k",)) == _tuning.portable_key(b(), ("k",))
+    assert _tuning.portable_key(a(), ("k",)) != _tuning.portable_key(c(), ("k",))
+
+
 def test_tune_false_never_probes_a_kernel(measuring, monkeypatch) -> None:
     """The layer-wise convolution kernels are timed under ``auto`` / ``measure`` only: with
     ``tune=False`` the columns run and nothing is timed or cached."""
