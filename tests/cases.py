@@ -473,6 +473,11 @@ def bifpn_spread(model: nn.Module) -> mj.ParamSubset:
 #: so put those combinations in the slow tier
 FWD_HEAVY = {"bifpn_ragged"}
 
+#: zoo cases that a test over the whole zoo runs in the slow tier only: the deep BiFPN takes
+#: seconds per test where the other cases take tenths (the fast tier still runs it in the
+#: engine's matrix, tests/test_engine.py, and in the tests that name it)
+SLOW_TIER = {"bifpn_ragged"}
+
 
 def _bifpn() -> nn.Module:
     m = BiFPN()

@@ -43,8 +43,18 @@ def double_backward(model, case, subset) -> dict[str, torch.Tensor]:
     return ref
 
 
-@pytest.mark.parametrize("method", ["layerwise", "vmap", "hvp"])
-@pytest.mark.parametrize("case_id", CASE_IDS)
+@pytest.mark.parametrize(
+    "case_id, method",
+    [
+        # the ragged pyramid's layerwise and hvp runs take seconds (slow tier); its vmap run and
+        # the batched pyramid's three stay in the fast tier
+        pytest.param(
+            c, m, marks=[pytest.mark.slow] * (c == "fpn_ragged" and m in ("layerwise", "hvp"))
+        )
+        for c in CASE_IDS
+        for m in ("layerwise", "vmap", "hvp")
+    ],
+)
 def test_value_and_gradient_match_the_loop(case_id: str, method: str) -> None:
     case = CASE_BY_ID[case_id]
     model = zoo_model(case_id)

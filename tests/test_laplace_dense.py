@@ -131,6 +131,7 @@ def test_subsampling_is_exact_when_it_keeps_every_position() -> None:
     assert_same(got, fit(model, "classification", subset, data))
 
 
+@pytest.mark.slow  # a statistical check: 300 sampled fits per likelihood
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
 def test_subsampling_is_unbiased(likelihood: str) -> None:
     model = make_model()

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 from cases import CASES as ZOO
-from cases import DTYPE, make_subset
+from cases import DTYPE, SLOW_TIER, make_subset
 from conftest import CASE_BY_ID, examples, smallest_budget, zoo_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -73,10 +73,17 @@ def _likelihoods(case_id: str) -> list[str]:
     return ["regression"] if case_id.startswith("fpn") else ["classification", "regression"]
 
 
+def _zoo_params(case_ids: list[str]) -> list:
+    """(case, likelihood) pairs; the SLOW_TIER cases in the slow tier."""
+    return [
+        pytest.param(c, lk, marks=[pytest.mark.slow] * (c in SLOW_TIER))
+        for c in case_ids
+        for lk in _likelihoods(c)
+    ]
+
+
 @pytest.mark.parametrize("subset_kind", ["elements", "all"])
-@pytest.mark.parametrize(
-    "case_id, likelihood", [(c, lk) for c in PLAIN_IDS for lk in _likelihoods(c)]
-)
+@pytest.mark.parametrize("case_id, likelihood", _zoo_params(PLAIN_IDS))
 def test_empirical_matches_loop(case_id: str, likelihood: str, subset_kind: str) -> None:
     model, samples, kind_in, targets, data, _ = _data(case_id, likelihood)
     subset = make_subset(model, subset_kind, CASE_BY_ID[case_id])
@@ -87,9 +94,7 @@ def test_empirical_matches_loop(case_id: str, likelihood: str, subset_kind: str)
 
 
 @pytest.mark.parametrize("kind", ["empirical", "mc", "exact"])
-@pytest.mark.parametrize(
-    "case_id, likelihood", [(c, lk) for c in ZOO_IDS for lk in _likelihoods(c)]
-)
+@pytest.mark.parametrize("case_id, likelihood", _zoo_params(ZOO_IDS))
 def test_layerwise_matches_vmap(case_id: str, likelihood: str, kind: str) -> None:
     """Same drawn labels (same generator and chunks) for ``mc``; vmap is checked against the
     loop in test_fisher."""

@@ -265,8 +265,17 @@ def assert_same(res: mj.JacobianResult, ref: mj.JacobianResult) -> None:
 
 
 # ---------------------------------------------------------------------- exactness
-@pytest.mark.parametrize("subset_kind", ["all", "entries"])
-@pytest.mark.parametrize("case_id", [c.id for c in TCASES])
+def _case_kinds() -> list:
+    """Every case x subset kind; the fast tier runs one kind per case (alternating down the
+    list, one loop reference per case, shared by rev and fwd), the slow tier the other."""
+    return [
+        pytest.param(c.id, kind, id=f"{c.id}-{kind}", marks=[pytest.mark.slow] * (i % 2 != k))
+        for i, c in enumerate(TCASES)
+        for k, kind in enumerate(("all", "entries"))
+    ]
+
+
+@pytest.mark.parametrize(("case_id", "subset_kind"), _case_kinds())
 def test_padded_rev_equals_loop(case_id: str, subset_kind: str) -> None:
     subset, ref = reference(case_id, subset_kind)
     assert torch.isfinite(ref.jacobian).all()
@@ -278,8 +287,7 @@ def test_padded_rev_equals_loop(case_id: str, subset_kind: str) -> None:
     assert_same(res, ref)
 
 
-@pytest.mark.parametrize("subset_kind", ["all", "entries"])
-@pytest.mark.parametrize("case_id", [c.id for c in TCASES])
+@pytest.mark.parametrize(("case_id", "subset_kind"), _case_kinds())
 def test_padded_fwd_equals_loop_or_records_its_fallback(case_id: str, subset_kind: str) -> None:
     """Forward mode runs padded; where the model reaches SDPA's fused kernel (no forward-mode
     derivative) it may fall back to rev, and then says so: one warning, ``result.fallback``,

@@ -605,6 +605,7 @@ def test_a_contradicted_estimate_says_what_the_cost_model_missed(times, noted: b
         assert notes[0].endswith("is what it missed"), notes[0]
 
 
+@pytest.mark.slow  # the deep model; the DenseHead case above checks the same rule in the fast tier
 def test_bifpn_entries_spread_through_its_cells_on_own_shapes() -> None:
     """The BiFPN with single entries spread through its cells (edge weights, convs, BatchNorm)
     on pyramids of a shape each: every route timed on samples of its own, the result exact."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import CASES, make_subset
+from cases import CASES, SLOW_TIER, make_subset
 from conftest import zoo_model, zoo_reference
 
 import multiscale_jac as mj
@@ -12,7 +12,10 @@ from multiscale_jac.adapter import PerSampleFunction
 from multiscale_jac.reference import per_sample_jacobian_loop
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, id=c.id, marks=[pytest.mark.slow] * (c.id in SLOW_TIER)) for c in CASES],
+)
 def test_reference_matches_central_differences(case) -> None:
     """Each Jacobian column equals (f(theta + h e_j) - f(theta - h e_j)) / 2h per sample."""
     model = zoo_model(case.id)

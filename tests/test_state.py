@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from cases import CASE_IDS, DTYPE, AnchorCacheHead
+from cases import CASE_IDS, DTYPE, SLOW_TIER, AnchorCacheHead
 from conftest import CASE_BY_ID
 from torch import Tensor, nn
 
@@ -184,7 +184,14 @@ def test_the_warning_names_the_module_and_what_it_wrote() -> None:
     assert all(w.filename == __file__ for w in caught if w.category is mj.ModuleStateWarning)
 
 
-@pytest.mark.parametrize("case_id", [c for c in CASE_IDS if c != CASE.id])
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        pytest.param(c, marks=[pytest.mark.slow] * (c in SLOW_TIER))
+        for c in CASE_IDS
+        if c != CASE.id
+    ],
+)
 def test_a_model_that_writes_nothing_does_not_warn(case_id: str) -> None:
     case = CASE_BY_ID[case_id]
     with warnings.catch_warnings():

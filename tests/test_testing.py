@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cases import BIFPN_CHANNELS, CASE_IDS, CASES, make_subset
+from cases import BIFPN_CHANNELS, CASE_IDS, CASES, SLOW_TIER, make_subset
 from conftest import CASE_BY_ID, examples, zoo_model
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
@@ -303,7 +303,13 @@ def test_strategy_arguments_are_checked() -> None:
 # ---------------------------------------------------------------------- checkers
 # the zoo's own inputs; the larger ones run in the slow tier (the drawn inputs below cover
 # every model in the fast tier)
-HEAVY = {"seed_convblock_levels", "seed_convblock_ragged", "fpn_scale_ragged", "bn_cnn_multicrop"}
+HEAVY = {
+    "seed_convblock_levels",
+    "seed_convblock_ragged",
+    "fpn_scale_ragged",
+    "bn_cnn_multicrop",
+    *SLOW_TIER,
+}
 
 
 @pytest.mark.parametrize(
@@ -327,7 +333,9 @@ def test_every_zoo_model_has_a_drawn_input() -> None:
     assert sorted(ZOO_INPUTS) == sorted(CASE_IDS)
 
 
-@pytest.mark.parametrize("case_id", CASE_IDS)
+@pytest.mark.parametrize(
+    "case_id", [pytest.param(c, marks=[pytest.mark.slow] * (c in SLOW_TIER)) for c in CASE_IDS]
+)
 @settings(max_examples=examples(ci=4, dev=2))
 @given(data=st.data())
 def test_assert_jacobian_matches_on_drawn_inputs_and_subsets(case_id: str, data) -> None:
