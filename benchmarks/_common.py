@@ -6,8 +6,8 @@ Only the standard library and torch. Import it from a script in this folder as
 
 * :func:`env_stamp`: versions, machine, threads, device, git commit, date;
   :func:`load_average` (timings on a shared machine are only as good as its load).
-* :func:`sync`, :func:`timed_call`, :func:`time_method`, :func:`median`: wall-clock timing;
-  :func:`timer_median` (``torch.utils.benchmark.Timer``), :func:`time_limit` (SIGALRM).
+* The one timing method, ``torch.utils.benchmark.Timer``: :func:`timer_median` (warm calls),
+  :func:`timed_call` (one call: a first call); :func:`time_limit` (SIGALRM).
 * :func:`rss_bytes`, :func:`peak_rss_bytes`, :func:`vmhwm_bytes`, :func:`measure_peak_memory`:
   peak memory of one call, meant to run in a fresh worker process; :func:`run_worker` starts
   such a process and reads back the one-line JSON it prints. Start workers while the parent is
@@ -30,15 +30,16 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.benchmark import Timer  # imported here: its import took 2 s on a loaded machine
 
 __all__ = [
+    "Timer",
     "MEMORY_CAVEAT_CPU",
     "MEMORY_CAVEAT_CUDA",
     "REPO_ROOT",
@@ -61,7 +62,6 @@ __all__ = [
     "run_worker",
     "sync",
     "time_limit",
-    "time_method",
     "timed_call",
     "timer_median",
     "write_json",
@@ -195,66 +195,20 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
-def timed_call(fn: Callable[[], Any], device: str | torch.device) -> tuple[float, Any]:
-    """``(seconds, fn())`` with the device synchronised before and after."""
+def timed_call(
+    fn: Callable[[], Any], device: str | torch.device, threads: int | None = None
+) -> tuple[float, Any]:
+    """``(seconds, fn())``: ONE call timed by ``torch.utils.benchmark.Timer``'s clock (which
+    synchronises CUDA), without the two warm-up calls ``Timer.timeit`` makes: a first call."""
+    box: list[Any] = []
+    timer = Timer(
+        stmt="box.append(fn())",
+        globals={"box": box, "fn": fn},
+        num_threads=threads or torch.get_num_threads(),
+    )
     sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - t0, out
-
-
-def time_method(
-    fn: Callable[[], Any],
-    device: str | torch.device,
-    *,
-    warm: bool,
-    repeats: int,
-    warm_limit_s: float,
-    repeat_budget_s: float,
-    keep: Callable[[Any], Any] | None = None,
-) -> dict[str, Any]:
-    """Time ``fn``: one cold run, then, when cheap, warm repeats.
-
-    The cold (first) run doubles as the warm-up. Warm repeats run only when ``warm`` is true and
-    the cold run took less than ``warm_limit_s``; at most ``repeats`` of them and no more once
-    they have used ``repeat_budget_s`` (at least one). The reported ``seconds`` is the median of
-    the warm runs, else the cold time.
-
-    Args:
-        keep: Called on the cold run's output; its return value is handed back as ``"kept"``
-            (e.g. the Jacobian for a correctness check). Later outputs are dropped at once.
-
-    Returns:
-        ``{"seconds", "cold_seconds", "warm_runs", "warm_seconds", "timing", "kept"}``.
-    """
-    cold, out = timed_call(fn, device)
-    kept = keep(out) if keep is not None else None
-    del out
-    gc.collect()
-    warm_times: list[float] = []
-    if warm and repeats > 0 and cold < warm_limit_s:
-        spent = 0.0
-        while len(warm_times) < repeats and (not warm_times or spent < repeat_budget_s):
-            t, out = timed_call(fn, device)
-            del out
-            warm_times.append(t)
-            spent += t
-    if warm_times:
-        seconds = median(warm_times)
-        how = f"median of {len(warm_times)} warm runs after a cold run ({cold:.3g} s)"
-    else:
-        seconds = cold
-        why = "by design" if not warm else f"cold run >= {warm_limit_s:g} s"
-        how = f"single cold run, no warm-up ({why})"
-    return {
-        "seconds": seconds,
-        "cold_seconds": cold,
-        "warm_runs": len(warm_times),
-        "warm_seconds": warm_times,
-        "timing": how,
-        "kept": kept,
-    }
+    seconds = timer._timeit(1)
+    return seconds, box[0]
 
 
 def timer_median(
@@ -262,16 +216,14 @@ def timer_median(
 ) -> dict[str, Any]:
     """Time ``fn`` with ``torch.utils.benchmark.Timer(num_threads=threads)`` (its clock
     synchronises CUDA): ``blocked_autorange(min_run_time)``, or, when one warm call already took
-    ``warm_s >= min_run_time``, up to three single calls (``timeit(1)``) until they add up to
+    ``warm_s >= min_run_time``, up to three single calls (one call each) until they add up to
     ``min_run_time``. ``seconds`` is the median per call."""
-    from torch.utils.benchmark import Timer
-
     timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
     if warm_s >= min_run_time:
         times: list[float] = []
         while len(times) < 3 and (not times or sum(times) < min_run_time):
-            times.append(timer.timeit(1).median)
-        how = f"Timer.timeit(1) x {len(times)} (one call >= min_run_time), median"
+            times.append(timer._timeit(1))
+        how = f"Timer, {len(times)} single calls (one call >= min_run_time), median"
         return {"seconds": median(times), "timing": how, "timed_calls": len(times), "times": times}
     m = timer.blocked_autorange(min_run_time=min_run_time)
     return {
@@ -363,10 +315,8 @@ def measure_peak_memory(fn: Callable[[], Any], device: str | torch.device) -> di
     if base is None:  # no /proc: fall back to the peak so far (the rise is then a lower bound)
         base, base_kind = peak_rss_bytes(), "ru_maxrss"
     ru_before, hwm_before = peak_rss_bytes(), vmhwm_bytes()
-    t0 = time.perf_counter()
     out = fn()
     sync(device)
-    seconds = time.perf_counter() - t0
     ru_after, hwm_after = peak_rss_bytes(), vmhwm_bytes()
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     inherited = hwm_after is not None and ru_after > hwm_after + page
@@ -380,7 +330,6 @@ def measure_peak_memory(fn: Callable[[], Any], device: str | torch.device) -> di
         "vmhwm_before_bytes": hwm_before,
         "vmhwm_after_bytes": hwm_after,
         "ru_maxrss_inherited": inherited,
-        "seconds_in_worker": seconds,
     }
     cpu_peak = rec["vmhwm_rise_bytes"] if inherited else rec["peak_rss_rise_bytes"]
     if cuda:

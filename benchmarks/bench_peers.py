@@ -1,10 +1,23 @@
-"""Benchmark: the library against the code a user would write instead, one process per cell.
+"""The benchmark grid: the library against the code a user would write instead, a cell a process.
 
-Every method of a (workload, model) cell is timed side by side in ONE fresh worker process, the
-training step every ratio is divided by included; checked against one float64 reference; and
-measured for peak memory in a fresh process of its own.
+A cell is a workload on a model with its named grid's parameters (batch size ``n``, entries
+``k``: ``workload/model[@n=..,k=..]``). Every method of a cell is timed side by side in ONE
+fresh worker process, the training step every ratio is divided by included; checked against
+one float64 reference; and measured for peak memory in a fresh process of its own. One timing
+method: ``torch.utils.benchmark.Timer`` (``_common.timer_median``, ``_common.timed_call``).
 
-Workloads (``--workloads``)
+Named grids (``--grid``, ``FAMILIES``; ``all``: every one; ``--quick``: each one's small form)
+    main           every workload x model below, every method
+    choice         the main cells' library methods: auto against every forced route
+    batch          the Fisher and the Jacobian norm at several batch sizes, peak memory
+    entries        subset Jacobians at several numbers of entries
+    dense          a Laplace fit of per-pixel outputs, sliced (``memory_budget``) or not
+    laplace_torch  SubnetLaplace against laplace-torch's subnetwork Laplace (optional peer)
+    first_call     each role in a fresh process (``run_roles``): the library's first and warm
+                   calls, the user's code, ``tune=False``, the first call after
+                   ``multiscale_jac.tuning.load``; peak RSS of each first call
+
+Workloads
     jacobian  per-sample Jacobian of all outputs w.r.t. all parameters, uniform batch (N=16)
     ragged    the same on a ragged batch of multi-level samples (several shape buckets)
     subset    element-subset Jacobian of 200 random entries (``ParamSubset.from_flat_indices``)
@@ -12,60 +25,44 @@ Workloads (``--workloads``)
     jacnorm   ``jacobian_sq_norm(model, x).backward()``, one scalar output per sample (n=128)
     laplace   ``SubnetLaplace(model, "classification", subset).fit(data)``, 100 entries (B=32)
 
-Models (``--models``; ``GRID`` says which model runs in which workload): the zoo of the other
-suites (``vgg11_bn_q``, ``resnet8``, ``cnn3``, ``cnn8``, ``convblock``, ``convblock_wide``,
-``tinyfpn``, ``sharedfpn``) and architectures the cost model was not tuned on, fixed before
-measuring: ``tanh_cnn`` (strided tanh convs, a large linear head), ``gelu_cnn``, ``gn_dw``
-(GroupNorm + depthwise blocks), ``det_head`` (a detection head over ragged pyramid levels),
-``transformer`` (two pre-norm blocks, ``F.scaled_dot_product_attention``), and ``bifpn``, the
-zoo's effdet-style BiFPN (``tests/cases.py``: 3 cells over 3 levels, a dense head), whose ragged
-cell gives every sample a shape of its own and differentiates one entry in every tensor of every
-BiFPN node (edge weights, separable convs, BatchNorm: entries spread through its cells) instead
-of every parameter (issue 28, item 3: auto guessed from its estimates and timed nothing).
+Models (``SPECS``; ``_models.py``): ``vgg11_bn_q``, ``resnet8``, ``cnn3``, ``cnn8``,
+``convblock``, ``convblock_wide``, ``tinyfpn``, ``sharedfpn``, ``cifarnet32``/``48``,
+``seg_head`` (per-pixel classes), and architectures the cost model was not tuned on, fixed
+before measuring: ``tanh_cnn``, ``gelu_cnn``, ``gn_dw``, ``det_head`` (a detection head over
+ragged pyramid levels), ``transformer``, ``bifpn`` (the zoo's effdet-style BiFPN, whose ragged
+cell gives every sample a shape of its own and one entry in every tensor of every node).
 
-Methods (``--methods``; one that does not apply is recorded with the reason)
+Methods (``--methods``: names or glob patterns; one that does not apply is recorded with the
+reason)
     train_step         forward, loss, backward, SGD step (per shape bucket): every ratio's unit
     loop_func          a Python loop over samples of ``torch.func.jacrev`` (fisher: ``grad``;
-                       jacnorm: ``grad`` of the squared norm of ``jacrev``); with a subset, the
-                       Jacobian w.r.t. the tensors that hold its entries, the rest constant
+                       jacnorm: ``grad`` of the squared norm of ``jacrev``)
     vmap_chunks        ``vmap(jacrev)`` / ``vmap(grad)`` in chunks, per shape bucket
     vmap_double_bwd    jacnorm: ``grad`` of the squared norm of ``vmap(grad)``, 16 a chunk
     fwd_over_rev       jacnorm: ``vmap(grad)``, then ``2 sum_i H_i g_i`` by ``jvp`` of ``grad``
     autograd_jacobian  ``torch.autograd.functional.jacobian(vectorize=True)`` per shape bucket
-                       (not run above ``--max-gb`` by its memory estimate)
-    backpack, opacus, curvlinops   the peers, where installed
+    backpack, opacus, curvlinops, laplace_torch   the peers, where installed
     library_auto       the library with its defaults; ``library_<route>``: every forced route
-                       (``strict=True``): strategy x mode (x entries), the Fisher methods, every
-                       ``JacNormMethod`` (read at run time), the Laplace entries
 
-Timing: ``torch.utils.benchmark.Timer(num_threads=--threads).blocked_autorange`` (a call slower
-than ``--min-run-time``: up to three single timed calls), the median; the Timer's clock
-synchronises CUDA. Each method first runs on a small slice (its time, scaled to the batch,
-decides whether it runs at all: ``--method-limit``), then once on the batch (excluded). A library
-method's first call runs on a fresh copy of the model with the plan cache cleared
-(``first_call_seconds``). Then the contenders (the training step, ``library_auto``, the two
-fastest peers and the two fastest forced routes) run again interleaved, one call each per round
-in a rotating order, ``--rounds`` rounds: their ``seconds`` is the median over the rounds (the
-machine's speed drifts during a cell; interleaving puts the drift on every method alike).
+Timing: each method first runs on a small slice (its time scaled to the batch decides whether
+it runs at all: ``--method-limit``), then once on the batch (a library method's first call:
+fresh model copy, plan cache cleared), then ``Timer.blocked_autorange``. The contenders (the
+training step, auto, the two fastest peers and forced routes) then run interleaved, one call
+each per round, ``--rounds`` rounds, their ``seconds`` the median over the rounds.
 
-Correctness: every method also runs on a float64 slice against plain ``autograd.grad`` loops
-(``checked``, ``checked_rel``); its float32 result on the batch is compared with the first
-peer's. A method over ``--check-tol`` / ``--f32-tol`` is ``valid: false`` and never the best.
-``--check`` runs the float64 comparison alone and exits 1 on a failure.
-
-Per cell: ``best_other`` (the fastest valid non-library method), ``library_over_best_other``
-(auto / that), ``best_route`` and ``auto_over_best_route``, and ``note`` where auto is slower
-than the best other method. Output: ``bench_peers[_quick].json``, ``.md`` (tables) and ``.png``
-(auto / best other per cell, log scale; needs matplotlib) in ``--out`` (benchmarks/results).
+Output: ``grid.json`` (``grid_quick.json``) in ``--out`` (benchmarks/results): ``runs`` (each
+with its environment stamp and configuration) and ``cells`` (each naming its ``family`` and
+``run``; a run replaces the cells it measured and keeps the others); then ``render.py``
+writes ``grid.md`` and the plots beside it.
 
 Usage::
 
-    python benchmarks/bench_peers.py            # the full grid
-    python benchmarks/bench_peers.py --quick    # a smaller grid and batches
-    python benchmarks/bench_peers.py --check    # float64 agreement of every method
-    python benchmarks/bench_peers.py --dry      # list the cells and methods only
-    python benchmarks/bench_peers.py --workloads fisher --models resnet8 --memory none
-    python benchmarks/bench_peers.py --device cuda --quick --out benchmarks/results/gpu
+    python benchmarks/bench_peers.py --grid all --quick   # every named grid, small cells
+    python benchmarks/bench_peers.py --grid main batch    # two named grids, full size
+    python benchmarks/bench_peers.py --check              # float64 agreement of every method
+    python benchmarks/bench_peers.py --dry --grid all     # list the cells and methods only
+    python benchmarks/bench_peers.py --cells fisher/resnet8 --memory none
+    python benchmarks/bench_peers.py --device cuda --quick --out /tmp/gpu
 """
 
 from __future__ import annotations
@@ -78,12 +75,14 @@ import importlib.util
 import json
 import math
 import sys
+import tempfile
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -94,10 +93,9 @@ from _common import (
     MEMORY_CAVEAT_CPU,
     MEMORY_CAVEAT_CUDA,
     TimeLimit,
+    Timer,
     env_stamp,
     error_text,
-    fmt_bytes,
-    fmt_seconds,
     load_average,
     malloc_env,
     markdown_table,
@@ -108,9 +106,19 @@ from _common import (
     timer_median,
     write_json,
 )
-from bench_fisher import build_model as build_fisher_model
-from bench_jacnorm import WIDTHS as JACNORM_WIDTHS
-from bench_jacnorm import PlainCNN
+from _models import (
+    NUM_CLASSES,
+    WIDTHS,
+    CifarNet,
+    DetectionHead,
+    GeluCNN,
+    GroupNormDepthwise,
+    PlainCNN,
+    SegHead,
+    StridedTanhCNN,
+    TinyTransformer,
+    build_bn_model,
+)
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, jvp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -146,9 +154,9 @@ GRID: dict[str, tuple[str, ...]] = {
     "laplace": ("resnet8", "vgg11_bn_q", *_NEW, "transformer"),
 }
 QUICK_GRID: dict[str, tuple[str, ...]] = {
-    "jacobian": ("det_head",),
+    "jacobian": ("gelu_cnn",),
     "ragged": ("det_head",),
-    "subset": ("det_head",),
+    "subset": ("gelu_cnn",),
     "fisher": ("resnet8",),
     "jacnorm": ("gelu_cnn",),
     "laplace": ("gelu_cnn",),
@@ -163,7 +171,6 @@ SIZES = {
     "laplace": (32, 16),
 }
 SUBSET_K = {"subset": 200, "laplace": 100}
-NUM_CLASSES = 10
 CHECK_SAMPLES = 3  # the float64 slice (ragged: 3 samples, else 2) and the warm-up slice
 VMAP_CHUNK = 16  # samples per vmap call of the Jacobian / Jacobian-norm peers
 #: the timing workers' glibc malloc settings (``--malloc fixed``): freed memory stays in the
@@ -180,111 +187,6 @@ CHUNK_BYTES = 256 * 2**20  # vmap(jacrev): fewer samples per call when their Jac
 
 class Skip(Exception):
     """A method that does not apply to this cell, or a peer that is not installed."""
-
-
-# ---------------------------------------------------------------------- new architectures
-class StridedTanhCNN(nn.Module):
-    """Strided tanh convs (3->16->32, stride 2) and a large head (2048 -> 256 -> outputs)."""
-
-    def __init__(self, num_outputs: int = NUM_CLASSES) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            *(nn.Conv2d(3, 16, 5, stride=2, padding=2), nn.Tanh()),
-            *(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.Tanh()),
-        )
-        self.head = nn.Sequential(nn.Linear(2048, 256), nn.Tanh(), nn.Linear(256, num_outputs))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.features(x).flatten(1))
-
-
-class GeluCNN(nn.Module):
-    """3x3 GELU convs (32/32/64/64, 2x2 average pooling twice), global mean, a linear head."""
-
-    def __init__(self, num_outputs: int = NUM_CLASSES) -> None:
-        super().__init__()
-        conv = lambda a, b: (nn.Conv2d(a, b, 3, padding=1), nn.GELU())  # noqa: E731
-        self.features = nn.Sequential(
-            *conv(3, 32), *conv(32, 32), nn.AvgPool2d(2), *conv(32, 64), nn.AvgPool2d(2)
-        )
-        self.features.extend(conv(64, 64))
-        self.fc = nn.Linear(64, num_outputs)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc(self.features(x).mean(dim=(2, 3)))
-
-
-class DepthwiseBlock(nn.Module):
-    """ConvNeXt-style: depthwise 7x7, GroupNorm, 1x1 expand x4, GELU, 1x1 project, residual."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
-        self.norm = nn.GroupNorm(4, c)
-        self.pw1, self.pw2 = nn.Conv2d(c, 4 * c, 1), nn.Conv2d(4 * c, c, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.pw2(F.gelu(self.pw1(self.norm(self.dw(x)))))
-
-
-class GroupNormDepthwise(nn.Module):
-    """A 4x4 stride-4 stem (3->48), two depthwise blocks, GroupNorm, global mean, linear."""
-
-    def __init__(self, num_outputs: int = NUM_CLASSES, width: int = 48) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, width, 4, stride=4)
-        self.blocks = nn.Sequential(DepthwiseBlock(width), DepthwiseBlock(width))
-        self.norm = nn.GroupNorm(1, width)
-        self.fc = nn.Linear(width, num_outputs)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc(self.norm(self.blocks(self.stem(x))).mean(dim=(2, 3)))
-
-
-class DetectionHead(nn.Module):
-    """A RetinaNet-style head shared by every pyramid level: class (3) and box (4) branches of
-    conv3x3-ReLU-conv3x3; one output per level (both flattened), so outputs follow the pyramid."""
-
-    def __init__(self, in_ch: int = 8, num_classes: int = 3) -> None:
-        super().__init__()
-        branch = lambda out: nn.Sequential(  # noqa: E731
-            nn.Conv2d(in_ch, in_ch, 3, padding=1), nn.ReLU(), nn.Conv2d(in_ch, out, 3, padding=1)
-        )
-        self.cls, self.box = branch(num_classes), branch(4)
-
-    def forward(self, levels: Sequence[Tensor]) -> list[Tensor]:
-        return [torch.cat([self.cls(x).flatten(1), self.box(x).flatten(1)], 1) for x in levels]
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)))
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyTransformer(nn.Module):
-    """Tokens ``(B, 16, 16)`` -> linear embedding (64) + learned positions, two pre-norm blocks
-    (4 heads), LayerNorm, mean over tokens, a linear head."""
-
-    def __init__(self, num_outputs: int = NUM_CLASSES, tokens: int = 16, d_in: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Linear(d_in, 64)
-        self.pos = nn.Parameter(0.02 * torch.randn(tokens, 64))
-        self.blocks = nn.Sequential(TransformerBlock(64, 4), TransformerBlock(64, 4))
-        self.norm, self.head = nn.LayerNorm(64), nn.Linear(64, num_outputs)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.norm(self.blocks(self.embed(x) + self.pos)).mean(dim=1))
 
 
 # ---------------------------------------------------------------------- models and cells
@@ -305,6 +207,10 @@ class ModelSpec:
     #: the ragged workload differentiates these entries (flat indices into the parameter
     #: vector) instead of every parameter
     ragged_entries: Callable[[nn.Module], Tensor] | None = None
+    #: ``image``: the input's height and width; ``dense``: per-pixel classes (targets
+    #: ``(N, H, W)``, outputs ``(N, C, H, W)``, the classes first)
+    image_hw: tuple[int, int] = (32, 32)
+    dense: int = 0
 
 
 def _half(n: int, k: int) -> int:
@@ -322,11 +228,11 @@ def _fixed(factory: Callable[[], nn.Module], outputs: tuple[int, ...], why: str)
 
 def _zoo(name: str, desc: str, *, jacnorm: bool = False) -> ModelSpec:
     if jacnorm:
-        build = lambda: PlainCNN(JACNORM_WIDTHS[name], pool_every=1 if name == "cnn3" else 2)  # noqa: E731
+        build = lambda: PlainCNN(WIDTHS[name], pool_every=1 if name == "cnn3" else 2)  # noqa: E731
         return ModelSpec(
             name, _fixed(build, (1,), f"{name} has one scalar output"), "image", desc, False
         )
-    build = lambda: build_fisher_model(name, 0)  # noqa: E731  (BatchNorm statistics set, eval)
+    build = lambda: build_bn_model(name, 0)  # noqa: E731  (BatchNorm statistics set, eval)
     return ModelSpec(
         name, _fixed(build, (NUM_CLASSES,), f"{name} is a 10-class classifier"), "image", desc
     )
@@ -390,6 +296,23 @@ SPECS: dict[str, ModelSpec] = {
         ModelSpec("gelu_cnn", GeluCNN, "image", "new: 4-conv GELU CNN, average pooling"),
         ModelSpec("gn_dw", GroupNormDepthwise, "image", "new: stem + 2 GroupNorm/depthwise blocks"),
         ModelSpec("transformer", TinyTransformer, "tokens", "new: 2-block transformer, 16 tokens"),
+        *(
+            ModelSpec(
+                f"cifarnet{w}",
+                lambda c, w=w: CifarNet(w, c),
+                "image",
+                f"compare_laplace_torch's CIFAR net, width {w} (convs {w}/{2 * w}/{2 * w})",
+            )
+            for w in (32, 48)
+        ),
+        ModelSpec(
+            "seg_head",
+            _fixed(lambda: SegHead(3), (NUM_CLASSES,), "seg_head has 3 classes a pixel"),
+            "image",
+            "per-pixel classifier (3 classes) on 48x48 images: conv 16/16, conv1x1",
+            image_hw=(48, 48),
+            dense=3,
+        ),
         _levels(
             "convblock",
             lambda: ConvBlock(in_ch=8, out_ch=8),
@@ -584,16 +507,19 @@ def build_cell(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    n: int | None = None,
+    k: int | None = None,
 ) -> Cell:
     """The cell's model, batch and subset, deterministic in ``seed`` (every worker builds the
-    same one; float64 is the float32 model converted)."""
+    same one; float64 is the float32 model converted); ``n``, ``k``: a named grid's batch size
+    and entries (default: the workload's)."""
     spec = SPECS[model_name]
     device = torch.device(device)
     torch.manual_seed(seed)
     outputs = 1 if workload == "jacnorm" else (NUM_CLASSES if spec.classifier else 0)
     model = spec.build(outputs).eval().to(device=device, dtype=dtype)
     cell = Cell(workload, spec, model, device, dtype)
-    n = SIZES[workload][1 if quick else 0]
+    n = n or SIZES[workload][1 if quick else 0]
     if cell.ragged and spec.kind != "levels":
         raise Skip(f"{model_name} takes one tensor, not a list of levels")
     g = torch.Generator().manual_seed(seed + 1)
@@ -607,23 +533,24 @@ def build_cell(
             hws = [spec.ragged_hw[order[i] % len(spec.ragged_hw)] for i in range(n)]
         samples = [[torch.randn(*shp, generator=g) for shp in spec.levels(*hw)] for hw in hws]
     else:
-        shape = (16, 16) if spec.kind == "tokens" else (3, 32, 32)
+        shape = (16, 16) if spec.kind == "tokens" else (3, *spec.image_hw)
         samples = [[torch.randn(*shape, generator=g)] for _ in range(n)]
     samples = [[t.to(device=device, dtype=dtype) for t in s] for s in samples]
     targets = None
     if workload in ("fisher", "laplace") or (spec.classifier and workload != "jacnorm"):
         if not spec.classifier:
             raise Skip(f"{model_name} is not a classifier")
-        targets = torch.randint(0, NUM_CLASSES, (n,), generator=g).to(device)
+        classes, pixels = (spec.dense, spec.image_hw) if spec.dense else (NUM_CLASSES, ())
+        targets = torch.randint(0, classes, (n, *pixels), generator=g).to(device)
     cell.names = [name for name, _ in model.named_parameters()]
     cell.num_params = sum(p.numel() for p in model.parameters())
     cell.subset = mj.ParamSubset.all(model)
-    if workload in SUBSET_K:
+    if workload in SUBSET_K or k:
         gs = torch.Generator().manual_seed(seed + 2)
-        idx = torch.randperm(cell.num_params, generator=gs)[: SUBSET_K[workload]]
+        idx = torch.randperm(cell.num_params, generator=gs)[: k or SUBSET_K[workload]]
         cell.subset = mj.ParamSubset.from_flat_indices(model, idx)
         cell.cols = idx.to(device)
-    if cell.ragged and spec.ragged_entries is not None:
+    if cell.ragged and spec.ragged_entries is not None and not k:
         idx = spec.ragged_entries(model)
         cell.subset = mj.ParamSubset.from_flat_indices(model, idx)
         cell.cols = idx.to(device)
@@ -651,7 +578,12 @@ def cell_summary(cell: Cell) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the training step
 def loss_of(out: Tensor, targets: Tensor | None) -> Tensor:
-    """CrossEntropy (sum) for classifiers with labels, else half the sum of squared outputs."""
+    """CrossEntropy (sum) for classifiers with labels (per pixel: ``out`` has the classes
+    first), else half the sum of squared outputs."""
+    if targets is not None and targets.dim() > 1:
+        return F.cross_entropy(
+            out.reshape(len(out), -1, *targets.shape[1:]), targets, reduction="sum"
+        )
     if targets is not None:
         return F.cross_entropy(out, targets, reduction="sum")
     return 0.5 * out.pow(2).sum()
@@ -702,8 +634,13 @@ class Sink:
         return self.value / self.n if self.cell.workload == "fisher" else self.value
 
 
-def ggn(jac: Tensor, logits: Tensor) -> Tensor:
-    """``sum_i J_i^T (diag p_i - p_i p_i^T) J_i`` for ``J`` ``(N, C, K)``, logits ``(N, C)``."""
+def ggn(jac: Tensor, logits: Tensor, classes: int = 0) -> Tensor:
+    """``sum_i J_i^T (diag p_i - p_i p_i^T) J_i`` for ``J`` ``(N, C, K)``, logits ``(N, C)``;
+    ``classes``: dense outputs ``(N, classes * pixels)``, a softmax per pixel."""
+    if classes:
+        n, o, k = jac.shape
+        jac = jac.reshape(n, classes, o // classes, k).transpose(1, 2).reshape(-1, classes, k)
+        logits = logits.reshape(n, classes, -1).transpose(1, 2).reshape(-1, classes)
     p = logits.softmax(-1)
     jp = torch.einsum("nck,nc->nk", jac, p)
     return torch.einsum("nck,nc,ncl->kl", jac, p, jac) - jp.T @ jp
@@ -1087,6 +1024,33 @@ def curvlinops(cell: Cell, model: nn.Module) -> Run:
     return run
 
 
+def laplace_torch(cell: Cell, model: nn.Module) -> Run:
+    """laplace-torch's subnetwork Laplace: ``Laplace(model, "classification",
+    subset_of_weights="subnetwork", hessian_structure="full", subnetwork_indices=...)``
+    ``.fit`` on a ``DataLoader`` of the batch; its ``H`` in the subset's order."""
+    if cell.workload != "laplace" or not cell.tensor_input or cell.spec.dense:
+        raise Skip("laplace-torch: one tensor and one label a sample")
+    lt = _import("laplace", "laplace-torch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    cols, order = cell.cols.sort()  # type: ignore[union-attr]
+    inv = order.argsort()
+
+    def run(batch: Batch) -> Tensor:
+        data = TensorDataset(batch.buckets[0].levels[0], batch.targets)
+        la = lt.Laplace(
+            model,
+            "classification",
+            subset_of_weights="subnetwork",
+            hessian_structure="full",
+            subnetwork_indices=cols.clone(),
+        )
+        la.fit(DataLoader(data, batch_size=batch.n))
+        return la.H[inv][:, inv]
+
+    return run
+
+
 def with_ggn(prep: Prepare) -> Prepare:
     """laplace: a Jacobian peer, then what a user adds: the logits and ``J^T Lambda J``."""
 
@@ -1098,7 +1062,7 @@ def with_ggn(prep: Prepare) -> Prepare:
             with torch.no_grad():
                 for b in batch.buckets:
                     logits[b.indices] = cell.forward(model, b.levels)
-            return ggn(jac_run(batch), logits)
+            return ggn(jac_run(batch), logits, cell.spec.dense)
 
         return run
 
@@ -1112,11 +1076,14 @@ class LibraryResult:
     info: dict[str, Any]
 
 
-def library(**kw: str) -> Prepare:
+def library(tune: Any = None, **kw: str) -> Prepare:
     """The library's entry point for the cell's workload, with defaults (no ``kw``) or a forced
     route (``kw`` and ``strict=True``): ``per_sample_jacobian``, ``diag_fisher``,
-    ``jacobian_sq_norm(...).backward()``, ``SubnetLaplace(...).fit``."""
+    ``jacobian_sq_norm(...).backward()``, ``SubnetLaplace(...).fit``; ``tune`` passed where
+    given (the memory workers force a route with ``tune=False``: nothing timed)."""
     opts: dict[str, Any] = {**kw, "strict": True} if kw else {}
+    if tune is not None:
+        opts["tune"] = tune
 
     def prep(cell: Cell, model: nn.Module) -> Run:
         w = cell.workload
@@ -1124,6 +1091,8 @@ def library(**kw: str) -> Prepare:
             raise Skip("strategy='vmap' needs one shape signature (a ragged batch has several)")
         subset = {} if cell.cols is None else {"params": cell.subset}
         params = list(model.parameters())
+        if kw.get("memory_budget") == "sliced":
+            opts["memory_budget"] = sliced_budget(cell, model)
 
         def run(batch: Batch) -> LibraryResult:
             before = mj.plan_cache_info()
@@ -1161,6 +1130,18 @@ def library(**kw: str) -> Prepare:
     return prep
 
 
+def sliced_budget(cell: Cell, model: nn.Module, slices: int = 20) -> int:
+    """A ``memory_budget`` for about ``slices`` row slices a sample: the least budget the fit
+    accepts plus a slice's share of the rows, about 6 copies of each (float32)."""
+    data = [(cell.batch.inputs, cell.batch.targets)]
+    try:
+        mj.SubnetLaplace(model, "classification", cell.subset, memory_budget=1).fit(data)
+        least = 0
+    except mj.MemoryBudgetError as err:
+        least = err.minimum
+    return least + cell.batch.o_max // slices * 6 * cell.subset.numel * 4
+
+
 @contextmanager
 def _jacnorm_jobs() -> Iterator[list[Any]]:
     """The library's jobs of the ``jacobian_sq_norm`` calls in the block, for their notes (the
@@ -1193,14 +1174,16 @@ class Method:
     prepare: Prepare
     estimate: Callable[[Cell, Batch], int] | None = None  # bytes; not run above --max-gb
     scaling: float = 1.0  # time grows as N ** scaling (the slice-based estimate)
+    route: dict[str, str] | None = None  # a forced route's options (kind "route")
 
     @property
     def is_library(self) -> bool:
         return self.kind in ("library", "route")
 
 
-def methods_for(workload: str) -> list[Method]:
-    """Every method of a workload, in the order they are timed (peers before the library)."""
+def methods_for(workload: str, per_pixel: int = 0) -> list[Method]:
+    """Every method of a workload, in the order they are timed (peers before the library);
+    ``per_pixel``: per-pixel classes (the Laplace fit also in row slices)."""
     then = {"subset": ", the subset's columns", "laplace": ", the subset's columns, J^T Lambda J"}
     then_ = then.get(workload, "")
     wrap = with_ggn if workload == "laplace" else (lambda p: p)
@@ -1266,6 +1249,9 @@ def methods_for(workload: str) -> list[Method]:
             2.0 if dense else 1.0,
         ),
     ]
+    if workload == "laplace":
+        what = "laplace-torch Laplace(subset_of_weights='subnetwork', hessian_structure='full')"
+        ms.append(Method("laplace_torch", "peer", what + ".fit", laplace_torch))
     ms.append(Method("library_auto", "library", auto, library()))
     if workload in JACOBIAN_LIKE:
         routes = [
@@ -1280,10 +1266,12 @@ def methods_for(workload: str) -> list[Method]:
         routes = [{"method": m.value} for m in mj.JacNormMethod if m.value != "auto"]
     else:
         routes = [{"entries": e} for e in ("structured", "generic")]
+    if per_pixel:  # the dense Laplace cell: the fit in row slices (bench_laplace's --dense)
+        routes.append({"memory_budget": "sliced"})
     for kw in routes:
         name = "library_" + "_".join(kw.values())
         what = ", ".join(f"{k}={v}" for k, v in kw.items()) + ", strict=True"
-        ms.append(Method(name, "route", what, library(**kw)))
+        ms.append(Method(name, "route", what, library(**kw), route=kw))
     return ms
 
 
@@ -1297,7 +1285,9 @@ def reference(cell: Cell, batch: Batch) -> Tensor:
     math = sdpa_kernel([SDPBackend.MATH]) if cell.workload == "jacnorm" else nullcontext()
     with math:
         _reference_rows(cell, batch, params, sink, logits)
-    return ggn(sink.result(), logits) if cell.workload == "laplace" else sink.result()
+    return (
+        ggn(sink.result(), logits, cell.spec.dense) if cell.workload == "laplace" else sink.result()
+    )
 
 
 def _reference_rows(
@@ -1355,7 +1345,8 @@ def log(msg: str) -> None:
 
 
 def wants(args: argparse.Namespace, name: str) -> bool:
-    return name == "train_step" or not args.methods or name in args.methods
+    """Whether ``--methods`` (names or glob patterns) selects ``name`` (the step always)."""
+    return name == "train_step" or not args.methods or any(fnmatch(name, p) for p in args.methods)
 
 
 def _reset_forward_ad() -> None:
@@ -1386,16 +1377,20 @@ def bench_method(
             warnings.simplefilter("ignore")
             run, small = m.prepare(cell, fresh()), cell.small()
             scale = (batch.n / small.n) ** m.scaling
-            limit = args.method_limit / scale
-            try:
-                with time_limit(limit):
+            # seconds a call, or that many training steps where the machine is slower
+            cap = max(args.method_limit, args.limit_steps * baseline.get("step", 0.0))
+            limit = cap / scale
+            try:  # a first call on the slice pays one-time costs; the second is the estimate
+                with time_limit(None if m.kind == "train" else cap):
+                    run(small)
+                with time_limit(None if m.kind == "train" else limit):
                     rec["slice_seconds"], _ = timed_call(lambda: run(small), device)
             except TimeLimit:
                 _reset_forward_ad()
                 raise Skip(
                     f"not run: over {limit:.3g} s on {small.n} samples (> --method-limit on {batch.n})"
                 ) from None
-            if rec["slice_seconds"] * scale > args.method_limit:
+            if rec["slice_seconds"] * scale > cap and m.kind != "train":
                 raise Skip(
                     f"not run: {rec['slice_seconds']:.2f} s on {small.n} samples suggests "
                     f"{rec['slice_seconds'] * scale:.0f} s on {batch.n} > --method-limit"
@@ -1405,6 +1400,8 @@ def bench_method(
                 mj.clear_plan_cache()
             t_first, res = timed_call(lambda: run(batch), device)
             rec["first_call_seconds" if m.is_library else "warmup_seconds"] = t_first
+            if m.kind == "train":
+                baseline["step"] = t_first
             if isinstance(res, LibraryResult):
                 rec["library"] = res.info
             if m.kind != "train":
@@ -1462,8 +1459,6 @@ def interleave(
     contenders = _contenders(methods, results)
     if args.rounds <= 0 or len(contenders) < 2:
         return 0
-    from torch.utils.benchmark import Timer
-
     per_round = sum(results[m.name]["seconds"] for m in contenders)
     rounds = max(3, min(args.rounds, int(args.rounds_budget / max(per_round, 1e-9))))
     timers = {}
@@ -1483,7 +1478,7 @@ def interleave(
         names = list(timers)
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                times[name].append(timers[name].timeit(1).median)
+                times[name].append(timers[name]._timeit(1))  # one call (timeit adds two)
     for name, ts in times.items():
         rec = results[name]
         rec["seconds_alone"], rec["seconds"] = rec["seconds"], median(ts)
@@ -1493,22 +1488,19 @@ def interleave(
 
 
 def check_methods(
-    workload: str,
-    model_name: str,
+    spot: Spot,
     methods: Sequence[Method],
     args: argparse.Namespace,
     limits: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Every method on a float64 slice of the cell against :func:`reference` (each under
-    ``limits[name]`` seconds, default ``--check-limit``)."""
-    cell = build_cell(
-        workload,
-        model_name,
-        quick=args.quick,
-        device=args.device,
-        dtype=torch.float64,
-        seed=args.seed,
-    )
+    ``limits[name]`` seconds, default ``--check-limit``). Per-pixel cells are not: their
+    reference would differentiate every pixel's classes one row at a time; the sliced fit is
+    compared with the unsliced one in float32 instead (``float32_rel_diff``)."""
+    if SPECS[spot.model].dense:
+        why = "not checked in float64 (per-pixel outputs): float32 against the unsliced fit"
+        return {"skipped": why}, {m.name: {"ok": True, "skipped": why} for m in methods}
+    cell = spot.build(args, torch.float64)
     batch, t0 = cell.small(), time.perf_counter()
     ref = reference(cell, batch)
     meta = {
@@ -1548,12 +1540,12 @@ def check_methods(
 
 def cell_worker(args: argparse.Namespace) -> int:
     """Time every method of one cell in this process; print the cell's record as JSON."""
-    workload, model_name = args.worker_cell
+    spot = Spot.parse(args.worker_cell)
     torch.set_num_threads(args.threads)
-    cell = build_cell(workload, model_name, quick=args.quick, device=args.device, seed=args.seed)
-    rec: dict[str, Any] = {"name": cell.name, **cell_summary(cell)}
+    cell = spot.build(args)
+    rec: dict[str, Any] = {"name": spot.name, **cell_summary(cell)}
     rec["malloc_env"] = malloc_env()
-    methods = [m for m in methods_for(workload) if wants(args, m.name)]
+    methods = [m for m in methods_for(spot.workload, cell.spec.dense) if wants(args, m.name)]
     baseline: dict[str, Any] = {}
     results = {m.name: bench_method(cell, m, args, baseline) for m in methods[:1]}
     for m in methods[1:]:
@@ -1572,7 +1564,7 @@ def cell_worker(args: argparse.Namespace) -> int:
         m.name: max(args.check_limit, 4 * results[m.name].get("slice_seconds", 0.0)) for m in ran
     }
     try:
-        rec["check"], checks = check_methods(workload, model_name, ran, args, limits)
+        rec["check"], checks = check_methods(spot, ran, args, limits)
     except Exception as e:
         rec["check"], checks = {"error": error_text(e)}, {}
     base_ok = True
@@ -1615,11 +1607,14 @@ def _short(r: dict[str, Any]) -> str:
 
 def memory_worker(args: argparse.Namespace) -> int:
     """Peak memory of one method on the batch, in this fresh process (after a slice warm-up)."""
-    workload, model_name, method = args.worker_mem
+    name, method = args.worker_mem
+    spot = Spot.parse(name)
     torch.set_num_threads(args.threads)
-    cell = build_cell(workload, model_name, quick=args.quick, device=args.device, seed=args.seed)
-    (m,) = [m for m in methods_for(workload) if m.name == method]
-    run = m.prepare(cell, cell.model)
+    cell = spot.build(args)
+    (m,) = [m for m in methods_for(spot.workload, cell.spec.dense) if m.name == method]
+    # a forced route with tune=False: the reference of auto's peak, which includes its timing
+    prepare = m.prepare if m.route is None else library(tune=False, **m.route)
+    run = prepare(cell, cell.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run(cell.small())
@@ -1628,13 +1623,147 @@ def memory_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- the named grids
+@dataclass(frozen=True)
+class Spot:
+    """A cell of a named grid: a workload on a model with the grid's batch size ``n`` and
+    entries ``k`` (``None``: the workload's), its ``methods`` (names or glob patterns; empty:
+    all) and ``roles`` (the first-call grid: each role in a fresh process, :func:`run_roles`)."""
+
+    workload: str
+    model: str
+    n: int | None = None
+    k: int | None = None
+    methods: tuple[str, ...] = ()
+    roles: bool = False
+
+    @property
+    def name(self) -> str:
+        extra = ",".join(f"{a}={v}" for a, v in (("n", self.n), ("k", self.k)) if v)
+        return f"{self.workload}/{self.model}" + (f"@{extra}" if extra else "")
+
+    @classmethod
+    def parse(cls, name: str) -> Spot:
+        """``workload/model[@n=N,k=K]`` (a cell's name) back to its spot."""
+        cell, _, extra = name.partition("@")
+        w, m = cell.split("/", 1)
+        return cls(w, m, **{a: int(v) for a, v in (p.split("=") for p in extra.split(",") if p)})
+
+    def wants(self, name: str) -> bool:
+        return (
+            name == "train_step" or not self.methods or any(fnmatch(name, p) for p in self.methods)
+        )
+
+    def build(self, args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> Cell:
+        return build_cell(
+            self.workload,
+            self.model,
+            quick=args.quick,
+            device=args.device,
+            dtype=dtype,
+            seed=args.seed,
+            n=self.n,
+            k=self.k,
+        )
+
+
+def _main_cells(quick: bool) -> list[Spot]:
+    table = QUICK_GRID if quick else GRID
+    return [Spot(w, m) for w in WORKLOADS for m in table[w]]
+
+
+def _choice(quick: bool) -> list[Spot]:
+    return [dataclasses.replace(s, methods=("library_*",)) for s in _main_cells(quick)]
+
+
+def _batch(quick: bool) -> list[Spot]:
+    ms = ("library_auto", "loop_func", "vmap_chunks", "vmap_double_bwd", "backpack")
+    ms += ("autograd_jacobian",)
+    if quick:
+        sweep = [("fisher", "resnet8", (8, 16)), ("jacnorm", "cnn3", (4, 8))]
+    else:
+        sweep = [("fisher", m, (32, 64, 128)) for m in ("vgg11_bn_q", "resnet8")]
+        sweep += [("jacnorm", m, (10, 128)) for m in ("cnn3", "cnn8")]
+    return [Spot(w, m, n=n, methods=ms) for w, m, ns in sweep for n in ns]
+
+
+def _entries(quick: bool) -> list[Spot]:
+    ms = ("library_auto", "loop_func", "vmap_chunks", "library_vmap_fwd_generic")
+    if quick:
+        sweep = [("subset", "gelu_cnn", (20, 200)), ("laplace", "cifarnet32", (20, 50))]
+    else:
+        sweep = [("subset", "convblock_wide", (50, 500)), ("subset", "resnet8", (100, 1000, 10000))]
+        sweep += [("laplace", "cifarnet32", (50, 100, 200))]
+    n = {"laplace": 8 if quick else 32}
+    return [Spot(w, m, n=n.get(w), k=k, methods=ms) for w, m, ks in sweep for k in ks]
+
+
+def _dense(quick: bool) -> list[Spot]:
+    return [
+        Spot("laplace", "seg_head", n=2 if quick else 4, methods=("library_auto", "library_sliced"))
+    ]
+
+
+def _laplace_torch(quick: bool) -> list[Spot]:
+    ms = ("library_auto", "laplace_torch")
+    widths = (32,) if quick else (32, 48)
+    return [
+        Spot("laplace", f"cifarnet{w}", n=8 if quick else 32, k=100, methods=ms) for w in widths
+    ]
+
+
+def _first_call(quick: bool) -> list[Spot]:
+    cells = [
+        ("subset", "convblock_wide", (8, 2), 500),  # seed thread 3: ConvBlock, 500 entries
+        ("fisher", "vgg11_bn_q", (32, 16), None),  # seed thread 1: the VGG Fisher
+        ("jacnorm", "cnn3", (128, 32), None),  # seed thread 2: the CNN's Jacobian norm
+        ("ragged", "sharedfpn", (16, 6), 100),  # ragged dense outputs (segmentation-like)
+        ("laplace", "cifarnet32", (32, 16), 100),  # a SubnetLaplace fit
+    ]
+    return [Spot(w, m, n=ns[quick], k=k, roles=True) for w, m, ns, k in cells]
+
+
+#: the named grids: name -> (what they measure, their cells (quick or full)); ``--grid all``
+#: runs every one
+FAMILIES: dict[str, tuple[str, Callable[[bool], list[Spot]]]] = {
+    "main": ("every method of each workload x model: peers, auto, every forced route", _main_cells),
+    "choice": ("the main cells' library methods only: auto against every forced route", _choice),
+    "batch": ("time and peak memory against the batch size (Fisher, Jacobian norm)", _batch),
+    "entries": ("subset Jacobians: time and memory against the number of entries", _entries),
+    "dense": ("a Laplace fit of dense (per-pixel) outputs, sliced against unsliced", _dense),
+    "laplace_torch": ("SubnetLaplace against laplace-torch's subnetwork Laplace", _laplace_torch),
+    "first_call": (
+        "first calls in fresh processes: auto, the user's code, tune=False, loaded",
+        _first_call,
+    ),
+}
+#: first_call: the code a user would write instead, per workload
+USER_CODE = {"fisher": "vmap_chunks", "jacnorm": "vmap_double_bwd"}
+FIRST_TARGETS = {"first": 1.25, "loaded": 1.2, "rss": 1.2}
+
+
 # ---------------------------------------------------------------------- the main process
-def grid(args: argparse.Namespace) -> list[tuple[str, str]]:
-    if args.cells:
-        return [tuple(c.split("/", 1)) for c in args.cells]  # type: ignore[misc]
-    table = GRID if args.models else (QUICK_GRID if args.quick else GRID)
-    ws = args.workloads or WORKLOADS
-    return [(w, m) for w in ws for m in table[w] if not args.models or m in args.models]
+def grid(args: argparse.Namespace) -> list[tuple[str, Spot]]:
+    """``(family, spot)`` of the named grids in ``--grid``, filtered by ``--workloads``,
+    ``--models`` and ``--cells`` (cell names, ``workload/model[@n=..,k=..]``)."""
+    names = list(FAMILIES) if "all" in args.grid else args.grid
+    out = []
+    for fam in names:
+        for s in FAMILIES[fam][1](args.quick):
+            if args.workloads and s.workload not in args.workloads:
+                continue
+            if (args.models and s.model not in args.models) or (
+                args.cells
+                and s.name not in args.cells
+                and f"{s.workload}/{s.model}" not in args.cells
+            ):
+                continue
+            out.append((fam, s))
+    return out
+
+
+def malloc_fixed(args: argparse.Namespace) -> dict[str, str] | None:
+    return MALLOC_FIXED if args.malloc == "fixed" else None
 
 
 #: per cell (``workload/model``): why the library's auto is slower than the fastest other
@@ -1715,14 +1844,17 @@ def summarise(cell: dict[str, Any]) -> None:
     cell["note"] = slow_note(cell)
 
 
-def run_cell(w: str, m: str, args: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
-    name = f"{w}/{m}"
+def run_cell(spot: Spot, args: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
+    """Every method of a cell timed in one fresh worker, then peak memory per method (a fresh
+    worker each: ``--memory``)."""
+    name, w, m = spot.name, spot.workload, spot.model
     log(f"== {name}: timing all methods in one worker ...")
     t0 = time.perf_counter()
+    methods = ["--methods", *spot.methods] if spot.methods else []
     rec = run_worker(
-        [str(SCRIPT), "--worker-cell", w, m, *args.argv],
+        [str(SCRIPT), *args.argv, "--worker-cell", name, *methods],
         timeout_s=args.timeout,
-        env=MALLOC_FIXED if args.malloc == "fixed" else None,
+        env=malloc_fixed(args),
     )
     rec = {"name": name, "workload": w, "model": m, **rec}
     if "error" in rec or "methods" not in rec:
@@ -1737,25 +1869,117 @@ def run_cell(w: str, m: str, args: argparse.Namespace, deadline: float | None) -
         if args.memory == "none" or (deadline is not None and time.time() > deadline):
             break
         mem = run_worker(
-            [str(SCRIPT), "--worker-mem", w, m, method, *args.argv], timeout_s=args.timeout
+            [str(SCRIPT), *args.argv, "--worker-mem", name, method], timeout_s=args.timeout
         )
         ms[method].update(memory=mem, peak_memory_bytes=mem.get("peak_memory_bytes"))
     base = ms.get("train_step", {}).get("peak_memory_bytes")
     for r in ms.values():
         if r.get("peak_memory_bytes") is not None and base:
             r["memory_ratio_to_train_step"] = r["peak_memory_bytes"] / base
+    auto_b = ms.get("library_auto", {}).get("peak_memory_bytes")
+    route_b = ms.get(rec.get("best_route") or "", {}).get("peak_memory_bytes")
+    if auto_b and route_b:  # auto, its timing included, against the best route, nothing timed
+        rec["auto_memory_over_best_route"] = auto_b / route_b
     rec["cell_seconds"] = round(time.perf_counter() - t0, 1)
     lob, aor = rec.get("library_over_best_other"), rec.get("auto_over_best_route")
     log(
-        f"   {name}: auto / best other ({rec.get('best_other')}) = {_ratio(lob)}, auto / best "
-        f"route ({rec.get('best_route')}) = {_ratio(aor)} ({rec['cell_seconds']} s)"
+        f"   {name}: auto / best other ({rec.get('best_other')}) = {lob}, auto / best "
+        f"route ({rec.get('best_route')}) = {aor} ({rec['cell_seconds']} s)"
     )
     return rec
 
 
-def out_paths(args: argparse.Namespace, suffix: str = "") -> tuple[Path, str]:
-    stem = args.name or ("bench_peers" + ("_quick" if args.quick else ""))
-    return Path(args.out) if args.out else DEFAULT_OUT, stem + suffix
+def _counters() -> dict[str, int]:
+    info = mj.plan_cache_info()
+    return {k: int(getattr(info, k, 0)) for k in ("measured", "surveyed", "probed")}
+
+
+def role_worker(args: argparse.Namespace) -> int:
+    """One role of a first-call cell in this fresh process: setup (model, data, one no-grad
+    forward), then the first call (timed, its peak memory), a second call, warm calls;
+    ``library`` then saves its decisions to ``path``, ``loaded`` loads them first."""
+    name, role, path = args.worker_role
+    spot = Spot.parse(name)
+    torch.set_num_threads(args.threads)
+    cell = spot.build(args)
+    with torch.no_grad():  # the model has run before: its one-time set-up charged to no one
+        for b in cell.batch.buckets:
+            cell.forward(cell.model, b.levels)
+    user = USER_CODE.get(spot.workload, "loop_func")
+    prep = {
+        "library": library(),
+        "loaded": library(),
+        "estimate": library(tune=False),
+        "user": next(m for m in methods_for(spot.workload) if m.name == user).prepare,
+    }[role]
+    rec: dict[str, Any] = {"role": role, "code": user if role == "user" else "library"}
+    tuning = getattr(mj, "tuning", None)
+    if role == "loaded":
+        if tuning is None or not Path(path).exists():
+            print(json.dumps({**rec, "skipped": "no decisions saved (tuning.save/load)"}))
+            return 0
+        rec["load_seconds"], rec["loaded"] = timed_call(lambda: tuning.load(path), "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run, box = prep(cell, cell.model), []
+        before = _counters()
+        call = lambda: box.append(timed_call(lambda: run(cell.batch), args.device, args.threads))  # noqa: E731
+        rec.update(measure_peak_memory(call, args.device))
+        rec["first_seconds"], rec["counters"] = (
+            box[0][0],
+            {k: v - before[k] for k, v in _counters().items()},
+        )
+        second, _ = timed_call(lambda: run(cell.batch), args.device, args.threads)
+        warm = timer_median(
+            lambda: run(cell.batch),
+            threads=args.threads,
+            min_run_time=args.min_run_time,
+            warm_s=second,
+        )
+        rec["warm_seconds"], rec["warm_timing"] = warm["seconds"], warm["timing"]
+    if role == "library" and tuning is not None:
+        rec["saved"] = tuning.save(path)
+    print(json.dumps(rec, default=str))
+    return 0
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def run_roles(spot: Spot, args: argparse.Namespace) -> dict[str, Any]:
+    """A first-call cell: the roles ``library`` (auto's first and warm calls, then its decisions
+    saved), ``user`` (the code a user would write), ``estimate`` (``tune=False``) and ``loaded``
+    (``multiscale_jac.tuning.load`` of the library's decisions, then the first call), each in a
+    fresh process; the ratios against their targets (issue 27)."""
+    log(f"== {spot.name}: first calls, a fresh process per role ...")
+    rec: dict[str, Any] = {"name": spot.name, "workload": spot.workload, "model": spot.model}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "decisions.json")
+        for role in ("library", "user", "estimate", "loaded"):
+            cmd = [str(SCRIPT), *args.argv, "--worker-role", spot.name, role, path]
+            rec[role] = r = run_worker(cmd, timeout_s=args.timeout, env=malloc_fixed(args))
+            log(
+                f"   {role}: "
+                + str({k: r.get(k) for k in ("first_seconds", "warm_seconds", "error")})
+            )
+    lib, user, est, loaded = (rec[r] for r in ("library", "user", "estimate", "loaded"))
+    one_time = None
+    if user.get("first_seconds") is not None and user.get("warm_seconds") is not None:
+        one_time = max(user["first_seconds"] - user["warm_seconds"], 0.0)
+    allowance = None
+    if loaded.get("warm_seconds") is not None and one_time is not None:
+        allowance = FIRST_TARGETS["loaded"] * loaded["warm_seconds"] + one_time
+    rec["ratios"] = ratios = {
+        "first": _div(lib.get("first_seconds"), user.get("first_seconds")),
+        "warm": _div(lib.get("warm_seconds"), user.get("warm_seconds")),
+        "loaded": _div(loaded.get("first_seconds"), allowance),
+        "rss": _div(lib.get("peak_memory_bytes"), est.get("peak_memory_bytes")),
+    }
+    rec["user_one_time_seconds"] = one_time
+    targets = {**FIRST_TARGETS, "loaded": 1.0}
+    rec["over_target"] = [k for k, t in targets.items() if (ratios[k] or 0) > t]
+    return rec
 
 
 NOTES = {
@@ -1771,10 +1995,38 @@ NOTES = {
     "float32_rel_diff (vs the first peer on the batch) <= f32_tol",
     "library_over_best_other": "library_auto seconds / the fastest valid non-library method's",
     "auto_over_best_route": "library_auto seconds / the fastest valid forced library route's",
+    "auto_memory_over_best_route": "library_auto's peak memory (its timing included: a fresh "
+    "process, a slice call, then the batch) / the best forced route's with tune=False",
     "note": "why auto is slower than the best other method, where it is",
     "backpack_DiagGGNExact": "not used: the GGN diagonal is neither the empirical Fisher nor "
     "the off-diagonal subset block a subnetwork Laplace needs",
 }
+
+
+def results_path(args: argparse.Namespace) -> Path:
+    stem = args.name or ("grid" + ("_quick" if args.quick else ""))
+    return (Path(args.out) if args.out else DEFAULT_OUT) / f"{stem}.json"
+
+
+def load_results(path: Path) -> dict[str, Any]:
+    """The results file (``{"runs": [...], "cells": [...]}``), or an empty one."""
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"benchmark": "bench_peers", "notes": NOTES, "runs": [], "cells": []}
+
+
+def merge(results: dict[str, Any], rec: dict[str, Any]) -> None:
+    """``rec`` replaces the cell of the same family and name (the others stay: one file holds
+    every family, each cell naming the run that measured it); a method of the old cell that
+    this run did not measure (a peer not installed here) keeps its old record and run."""
+    key = (rec["family"], rec["name"])
+    old = [c for c in results["cells"] if (c.get("family"), c.get("name")) == key]
+    for name, r in (old[0].get("methods", {}) if old else {}).items():
+        new = rec.get("methods", {}).get(name, {})
+        measured = ("seconds", "peak_memory_bytes")
+        if any(k in r for k in measured) and not any(k in new for k in measured):
+            rec.setdefault("methods", {})[name] = {"run": old[0].get("run"), **r}
+    results["cells"] = [c for c in results["cells"] if c not in old] + [rec]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1784,252 +2036,78 @@ def main(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(args.threads)
     cells = grid(args)
-    out_dir, stem = out_paths(args)
-    env = {**env_stamp(device), "threads": args.threads}
-    config = {
-        k: getattr(args, k)
-        for k in (
-            "quick",
-            "device",
-            "threads",
-            "min_run_time",
-            "method_limit",
-            "max_gb",
-            "memory",
-            "check_tol",
-            "f32_tol",
-            "seed",
-            "malloc",
-        )
+    path = results_path(args)
+    results = load_results(path)
+    results["notes"] = {
+        **NOTES,
+        "peak_memory_bytes": MEMORY_CAVEAT_CUDA if device.type == "cuda" else MEMORY_CAVEAT_CPU,
     }
-    config["malloc_env"] = MALLOC_FIXED if args.malloc == "fixed" else None
-    config["sizes"] = {w: SIZES[w][1 if args.quick else 0] for w in WORKLOADS}
-    config["grid"] = [f"{w}/{m}" for w, m in cells]
+    run_id = max((r["id"] for r in results["runs"]), default=0) + 1
+    config = {k: getattr(args, k) for k in CONFIG_KEYS}
+    config["malloc_env"] = malloc_fixed(args)
     config["peers_installed"] = {
-        p: importlib.util.find_spec(p) is not None for p in ("backpack", "opacus", "curvlinops")
+        p: importlib.util.find_spec(p) is not None
+        for p in ("backpack", "opacus", "curvlinops", "laplace")
     }
-    caveat = MEMORY_CAVEAT_CUDA if device.type == "cuda" else MEMORY_CAVEAT_CPU
-    notes = {**NOTES, "peak_memory_bytes": caveat}
-    results: dict[str, Any] = {
-        "benchmark": "bench_peers",
-        "env": env,
-        "config": config,
-        "notes": notes,
-        "cells": [],
-    }
+    run = {"id": run_id, "env": {**env_stamp(device), "threads": args.threads}, "config": config}
+    run["cells"] = [f"{fam}:{s.name}" for fam, s in cells]
+    results["runs"].append(run)
     start = time.time()
     deadline = start + args.budget if args.budget else None
-    for w, m in cells:
+    for fam, spot in cells:
         if deadline is not None and time.time() > deadline:
-            results["cells"].append({"name": f"{w}/{m}", "not_run": "--budget spent"})
+            log(f"{fam}:{spot.name}: not run (--budget spent)")
             continue
-        results["cells"].append(run_cell(w, m, args, deadline))
-        write_json(out_dir / f"{stem}.json", results)
-    env["load_average_at_end"] = load_average()
-    results["total_seconds"] = round(time.time() - start, 1)
-    return write_report(results, out_dir, stem)
+        rec = run_roles(spot, args) if spot.roles else run_cell(spot, args, deadline)
+        merge(results, {"family": fam, "run": run_id, **rec})
+        write_json(path, results)
+    run["env"]["load_average_at_end"] = load_average()
+    run["total_seconds"] = round(time.time() - start, 1)
+    write_json(path, results)
+    import render
 
-
-def write_report(results: dict[str, Any], out_dir: Path, stem: str) -> int:
-    """The results JSON, the markdown tables and the plot (cell notes as of now)."""
-    for c in results["cells"]:
-        if "methods" in c:
-            c["note"] = slow_note(c)
-    results["report_markdown"] = summary_table(results)  # the driver's report shows it
-    path = write_json(out_dir / f"{stem}.json", results)
-    text = render_tables(results)
-    (out_dir / f"{stem}.md").write_text(text)
-    print(text)
-    png = plot(results, out_dir / f"{stem}.png")
-    log(f"wrote {path}, {out_dir / (stem + '.md')}" + (f", {png}" if png else ""))
+    render.write_outputs(results, path.parent, path.stem)
     return 0
 
 
-def render_main(args: argparse.Namespace) -> int:
-    """``--render JSON``: the report again from a results file, with the current cell notes
-    (the timings are not rerun)."""
-    results = json.loads(Path(args.render).read_text())
-    out_dir, stem = (Path(args.out), args.name) if args.out else (Path(args.render).parent, None)
-    return write_report(results, out_dir, stem or Path(args.render).stem)
-
-
-# ---------------------------------------------------------------------- tables and plot
-def _label(c: dict[str, Any]) -> str:
-    """A cell's name, marked where it was re-run alone after the full run (``rerun``)."""
-    return c["name"] + (" (re-run)" if c.get("rerun") else "")
-
-
-def _ratio(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.0f}" if x >= 100 else (f"{x:.1f}" if x >= 10 else f"{x:.2f}")
-
-
-def _ran(info: dict[str, Any]) -> str:
-    ran = "/".join(str(info[k]) for k in ("strategy", "mode") if k in info) or str(
-        info.get("method", "")
-    )
-    probed = f"{info['probed']} probe(s)" if info.get("probed") else ""
-    return ", ".join(p for p in (ran, probed) if p)
-
-
-def summary_table(results: dict[str, Any]) -> str:
-    rows = []
-    for c in results["cells"]:
-        ms = c.get("methods", {})
-        auto = ms.get("library_auto", {})
-        problem = c.get("not_run") or c.get("error") or c.get("auto_problem")
-        rows.append(
-            [
-                _label(c),
-                fmt_seconds(c.get("train_step_seconds")),
-                _ratio(auto.get("ratio_to_train_step")),
-                c.get("best_other") or "-",
-                _ratio(ms.get(c.get("best_other") or "", {}).get("ratio_to_train_step")),
-                _ratio(c.get("library_over_best_other")),
-                c.get("best_route") or "-",
-                _ratio(c.get("auto_over_best_route")),
-                fmt_seconds(auto.get("first_call_seconds")),
-                _ran(auto.get("library") or {}),
-                (problem or c.get("note") or "")[:200],
-            ]
-        )
-    headers = [
-        "cell",
-        "train step s",
-        "auto x step",
-        "best other",
-        "other x step",
-        "auto / best other",
-    ]
-    headers += ["best route", "auto / best route", "auto first call s", "auto ran", "note"]
-    return markdown_table(headers, rows)
-
-
-def cell_table(c: dict[str, Any]) -> str:
-    rows = []
-    for name, r in c.get("methods", {}).items():
-        note = (
-            r.get("skipped")
-            or r.get("error")
-            or r.get("check_error")
-            or _ran(r.get("library") or {})
-        )
-        if "seconds" in r and not r.get("valid") and r["kind"] != "train":
-            note = "INVALID " + note
-        rows.append(
-            [
-                name,
-                fmt_seconds(r.get("seconds")),
-                _ratio(r.get("ratio_to_train_step")),
-                fmt_seconds(r.get("first_call_seconds")),
-                fmt_bytes(r.get("peak_memory_bytes")),
-                "-" if r.get("checked") is None else f"{r['checked']:.1e}",
-                "-" if r.get("float32_rel_diff") is None else f"{r['float32_rel_diff']:.1e}",
-                note[:100],
-            ]
-        )
-    return markdown_table(
-        ["method", "s", "x step", "first call s", "peak MiB", "checked", "f32 rel", "note"], rows
-    )
-
-
-def render_tables(results: dict[str, Any]) -> str:
-    env = results["env"]
-    gpu = f" ({env['cuda_device_name']})" if env.get("cuda_device_name") else ""
-    commit = (env.get("git_commit") or "?")[:10] + (" (dirty)" if env.get("git_dirty") else "")
-    lines = [
-        f"# bench_peers ({'quick' if results['config']['quick'] else 'full'})",
-        "",
-        f"torch {env['torch']}, {env['device']}{gpu}, {env['threads']} threads, CPU "
-        f"{env.get('cpu_model')}, commit {commit}, {env['date_utc']}, load average "
-        f"{env.get('load_average_at_start')} at start, {env.get('load_average_at_end')} at end.",
-        "",
-        "`auto / best other`: library_auto seconds / the fastest valid non-library method's; "
-        "`auto / best route`: / the fastest valid forced library route's (< 1: auto is faster).",
-        "",
-        summary_table(results),
-    ]
-    for c in results["cells"]:
-        if "methods" in c:
-            head = f"## {c['name']}: N={c.get('N')}, O={c.get('O')}, P={c.get('P')} (of "
-            head += f"{c.get('params_total')}), {c.get('shape_buckets')} shape bucket(s)"
-            lines += ["", head, "", cell_table(c)]
-    return "\n".join(lines) + "\n"
-
-
-def plot(results: dict[str, Any], path: Path) -> Path | None:
-    """``library_over_best_other`` (green <= 1, red > 1) and ``auto_over_best_route`` per cell."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("(no plot: matplotlib is not installed)")
-        return None
-    cells = [c for c in results["cells"] if c.get("library_over_best_other") is not None]
-    if not cells:
-        return None
-    lob = [c["library_over_best_other"] for c in cells]
-    aor = [c.get("auto_over_best_route") or float("nan") for c in cells]
-    x = range(len(cells))
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(cells)), 5))
-    colors = ["tab:green" if v <= 1 else "tab:red" for v in lob]
-    ax.bar(
-        [i - 0.2 for i in x], lob, width=0.4, label="library auto / best other method", color=colors
-    )
-    ax.bar(
-        [i + 0.2 for i in x],
-        aor,
-        width=0.4,
-        label="library auto / best forced route",
-        color="tab:gray",
-        alpha=0.6,
-    )
-    ax.axhline(1.0, color="black", linewidth=1)
-    ax.set_yscale("log")
-    ax.set_xticks(list(x), [_label(c) for c in cells], rotation=90, fontsize=7)
-    ax.set_ylabel("time ratio (log; < 1: the library is faster)")
-    env = results["env"]
-    ax.set_title(f"bench_peers: {env['device']}, {env['threads']} threads, torch {env['torch']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+CONFIG_KEYS = (
+    *("grid", "quick", "device", "threads", "min_run_time", "method_limit", "limit_steps"),
+    "max_gb",
+    *("memory", "check_tol", "f32_tol", "seed", "malloc", "rounds"),
+)
 
 
 # ---------------------------------------------------------------------- check and dry modes
 def check_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     rows, table, failed = [], [], False
-    for w, m in grid(args):
-        methods = [x for x in methods_for(w) if wants(args, x.name)]
+    for _fam, spot in grid(args):
+        if spot.roles:
+            continue
+        methods = [
+            x for x in methods_for(spot.workload, SPECS[spot.model].dense) if wants(args, x.name)
+        ]
         try:
-            meta, checks = check_methods(w, m, methods, args)
+            meta, checks = check_methods(spot, methods, args)
         except Skip as e:
-            log(f"{w}/{m}: not applicable: {e}")
+            log(f"{spot.name}: not applicable: {e}")
             continue
         for name, r in checks.items():
             bad = "ok" in r and not r["ok"]
             failed |= bad
-            rows.append({"cell": f"{w}/{m}", "method": name, **r})
+            rows.append({"cell": spot.name, "method": name, **r})
             what = str(r.get("skipped") or r.get("error") or r.get("mismatch"))[:90]
             diffs = [_sci(r.get("max_abs_diff")), _sci(r.get("rel_diff"))]
             table.append(
-                [f"{w}/{m}", name, *diffs, ("FAIL" if bad else "ok") if "ok" in r else what]
+                [spot.name, name, *diffs, ("FAIL" if bad else "ok") if "ok" in r else what]
             )
         n_ok = sum(1 for r in checks.values() if r.get("ok"))
-        log(f"{w}/{m}: {n_ok}/{len(checks)} ok (reference {meta['reference_seconds']:.1f} s)")
-    out_dir, stem = out_paths(args, "_check")
-    data = {
-        "benchmark": "bench_peers --check",
-        "env": env_stamp(args.device),
-        "tol": args.check_tol,
-        "rows": rows,
-    }
-    path = write_json(out_dir / f"{stem}.json", data)
+        log(
+            f"{spot.name}: {n_ok}/{len(checks)} ok (reference {meta.get('reference_seconds', 0):.1f} s)"
+        )
+    path = results_path(args)
+    data = {"env": env_stamp(args.device), "tol": args.check_tol, "rows": rows}
+    path = write_json(path.with_name(path.stem + "_check.json"), data)
     print(markdown_table(["cell", "method", "max abs diff", "rel diff", "result"], table))
     log(f"wrote {path}" + ("; FAILED" if failed else ""))
     return 1 if failed else 0
@@ -2040,14 +2118,17 @@ def _sci(x: float | None) -> str:
 
 
 def dry_main(args: argparse.Namespace) -> int:
-    """The grid and its methods; nothing measured."""
-    rows = [
-        [f"{w}/{m}", x.name, x.kind, x.what]
-        for w, m in grid(args)
-        for x in methods_for(w)
-        if wants(args, x.name)
-    ]
-    print(markdown_table(["cell", "method", "kind", "what"], rows))
+    """The named grids' cells and methods; nothing measured."""
+    rows = []
+    for fam, s in grid(args):
+        ms = methods_for(s.workload, SPECS[s.model].dense)
+        if s.roles:
+            rows.append([fam, s.name, "library, user, estimate, loaded: fresh processes", "roles"])
+            continue
+        rows += [
+            [fam, s.name, x.name, x.kind] for x in ms if s.wants(x.name) and wants(args, x.name)
+        ]
+    print(markdown_table(["grid", "cell", "method", "kind"], rows))
     print(f"\n{len(grid(args))} cells, {len(rows)} (cell, method) pairs; device {args.device}")
     return 0
 
@@ -2058,24 +2139,37 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n")[0], epilog="See the module docstring."
     )
     add = p.add_argument
-    add("--quick", action="store_true", help="small grid and batches, short timing")
+    add(
+        "--grid",
+        nargs="+",
+        default=["main"],
+        choices=["all", *FAMILIES],
+        help="named grids to run (default main; all: every one): "
+        + "; ".join(f"{k}: {v[0]}" for k, v in FAMILIES.items()),
+    )
+    add("--quick", action="store_true", help="small cells, short timing (every grid's quick form)")
     add("--check", action="store_true", help="float64 agreement of every method; exit 1 on failure")
     add("--dry", action="store_true", help="list the cells and methods; run nothing")
-    add("--render", metavar="JSON", help="rebuild the tables, notes and plot from a results file")
-    add("--workloads", nargs="*", choices=WORKLOADS, help="default: all")
-    add("--models", nargs="*", choices=sorted(SPECS), help="only these models (of the full grid)")
+    add("--render", metavar="JSON", help="rebuild the tables and plots from a results file")
+    add("--workloads", nargs="*", choices=WORKLOADS, help="only these workloads")
+    add("--models", nargs="*", choices=sorted(SPECS), help="only these models")
+    add("--cells", nargs="*", metavar="W/M", help="only these cells (workload/model[@n=..,k=..])")
     add(
-        "--cells",
+        "--methods",
         nargs="*",
-        choices=[f"{w}/{m}" for w in GRID for m in GRID[w]],
-        metavar="W/M",
-        help="these cells (workload/model) instead of --workloads x --models",
+        help="only these methods, names or glob patterns (train_step always)",
     )
-    add("--methods", nargs="*", help="only these methods (train_step always runs)")
     add("--device", default="cpu", help="cpu or cuda (default cpu)")
     add("--threads", type=int, default=2, help="torch threads and Timer num_threads (2)")
-    add("--min-run-time", type=float, default=0.0, help="Timer min_run_time (0.5; quick 0.2)")
+    add("--min-run-time", type=float, default=0.0, help="Timer min_run_time (0.5; quick 0.1)")
     add("--method-limit", type=float, help="skip a method estimated slower (s/call; 40, quick 10)")
+    add(
+        "--limit-steps",
+        type=float,
+        default=200.0,
+        help="or, where larger, skip a method estimated slower than this many training steps "
+        "(200: a loaded machine slows every method alike)",
+    )
     add("--max-gb", type=float, default=4.0, help="skip a method whose memory estimate is larger")
     add(
         "--memory",
@@ -2085,10 +2179,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--check-tol", type=float, default=1e-9, help="float64 relative tolerance (1e-9)")
     add("--f32-tol", type=float, default=1e-3, help="float32 relative tolerance vs the first peer")
-    add("--check-limit", type=float, default=30.0, help="seconds per method on the float64 slice")
+    add("--check-limit", type=float, help="seconds per method on the float64 slice (30; quick 5)")
     add("--budget", type=float, default=0.0, help="seconds; start no new cell after (0: none)")
     add("--timeout", type=float, default=1200.0, help="seconds per worker process")
-    add("--rounds", type=int, default=5, help="interleaved rounds of the contenders (5; 0: none)")
+    add("--rounds", type=int, help="interleaved rounds of the contenders (5, quick 3; 0: none)")
     add("--rounds-budget", type=float, default=60.0, help="seconds for the rounds at most (60)")
     add(
         "--malloc",
@@ -2099,14 +2193,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--seed", type=int, default=0)
     add("--out", help="output folder (default: benchmarks/results)")
-    add("--name", help="file stem (default: bench_peers[_quick]; --check adds _check)")
-    add("--worker-cell", nargs=2, help=argparse.SUPPRESS)
-    add("--worker-mem", nargs=3, help=argparse.SUPPRESS)
+    add("--name", help="results file stem (default: grid, or grid_quick; --check adds _check)")
+    add("--worker-cell", help=argparse.SUPPRESS)
+    add("--worker-mem", nargs=2, help=argparse.SUPPRESS)
+    add("--worker-role", nargs=3, help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     args.argv = argv  # what the workers get (their --worker-* flag takes precedence)
-    args.min_run_time = args.min_run_time or (0.2 if args.quick else 0.5)
+    args.min_run_time = args.min_run_time or (0.1 if args.quick else 0.5)
     args.method_limit = args.method_limit or (10.0 if args.quick else 40.0)
+    args.check_limit = args.check_limit or (5.0 if args.quick else 30.0)
+    args.rounds = (3 if args.quick else 5) if args.rounds is None else args.rounds
     args.memory = args.memory or ("main" if args.quick else "all")
     return args
 
@@ -2123,10 +2220,18 @@ def guarded(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -
 
 if __name__ == "__main__":
     args = parse()
-    if args.worker_cell:
-        sys.exit(guarded(cell_worker, args))
-    if args.worker_mem:
-        sys.exit(guarded(memory_worker, args))
+    for flag, worker in (("worker_cell", cell_worker), ("worker_mem", memory_worker)):
+        if getattr(args, flag):
+            sys.exit(guarded(worker, args))
+    if args.worker_role:
+        sys.exit(guarded(role_worker, args))
     if args.render:
-        sys.exit(render_main(args))
+        import render
+
+        path = Path(args.render)
+        sys.exit(
+            render.write_outputs(
+                json.loads(path.read_text()), Path(args.out or path.parent), path.stem
+            )
+        )
     sys.exit(dry_main(args) if args.dry else check_main(args) if args.check else main(args))

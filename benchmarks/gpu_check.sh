@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU picture in one call (under 8 minutes on one recent GPU): the CUDA tests, then
-# bench_peers' main cells on --device cuda with absolute times, its JSON into ${OUT}.
+# the benchmark grid's main cells (bench_peers.py --grid main) on --device cuda with absolute
+# times, into ${OUT}/grid_cuda.json (its tables and plot beside it).
 #
 #   bash benchmarks/gpu_check.sh                  # needs torch with CUDA and a GPU
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh     # where the JSON goes (default benchmarks/results)
@@ -50,13 +51,13 @@ if [ "$DEVICE" = "cuda" ]; then
     # --budget: no new cell after 200 s, so the step ends within its limit
     CELLS=(jacnorm/cnn8 fisher/resnet8 jacobian/resnet8 ragged/det_head subset/gelu_cnn
         laplace/transformer jacnorm/transformer fisher/gn_dw jacobian/det_head)
-    step "bench_peers cuda" 260 "$PY" benchmarks/bench_peers.py --device cuda --cells "${CELLS[@]}" \
-        --memory main --min-run-time 0.2 --method-limit 10 --check-limit 15 --budget 200 \
-        --out "$OUT" --name bench_peers_cuda
+    step "grid main cuda" 260 "$PY" benchmarks/bench_peers.py --grid main --device cuda \
+        --cells "${CELLS[@]}" --memory main --min-run-time 0.2 --method-limit 10 \
+        --check-limit 15 --budget 200 --out "$OUT" --name grid_cuda
 else # smoke test of this script on CPU: one tiny cell
-    step "bench_peers $DEVICE (smoke)" 300 "$PY" benchmarks/bench_peers.py --device "$DEVICE" \
-        --quick --workloads jacnorm --models gelu_cnn --memory none --min-run-time 0.05 \
-        --method-limit 5 --out "$OUT" --name "bench_peers_${DEVICE}_smoke"
+    step "grid main $DEVICE (smoke)" 300 "$PY" benchmarks/bench_peers.py --grid main \
+        --device "$DEVICE" --quick --cells jacnorm/gelu_cnn --memory none --min-run-time 0.05 \
+        --method-limit 5 --out "$OUT" --name "grid_${DEVICE}_smoke"
 fi
 
 echo

@@ -183,17 +183,16 @@ def _add_bench_parser(sub: argparse._SubParsersAction, suites: tuple[str, ...] |
     listed = ", ".join(suites) if suites is not None else "none found here"
     bench = sub.add_parser(
         "bench",
-        help="run the benchmark suites and write report.md, results.json and plots",
+        help="run the benchmark grid and write report.md, results.json and plots",
         description=(
-            f"Run the benchmark suites ({listed}) of the benchmarks/ folder of a source "
-            f"checkout (or of the folder ${_BENCH_ENV} names), each in its own process. "
-            "Every method is timed as a ratio to one training step measured in the same "
-            "process, with peak memory from a fresh process per cell (CUDA: "
-            "max_memory_allocated after cuda.synchronize). Writes DIR/report.md (tables), "
-            "DIR/results.json (every record, with the environment: torch version, device, "
-            "threads), DIR/raw/ (each suite's own JSON) and DIR/<suite>.png (time ratio and "
-            "memory per method, log scale; needs matplotlib, the 'plot' extra). Exits with "
-            "status 1 if a suite fails."
+            f"Run the named grids ({listed}) of the benchmark grid, benchmarks/bench_peers.py "
+            f"of a source checkout (or of the folder ${_BENCH_ENV} names): a fresh process "
+            "per cell, every method timed with torch.utils.benchmark as a ratio to a training "
+            "step measured in the same process, peak memory from a fresh process per method "
+            "(CUDA: max_memory_allocated after cuda.synchronize). Writes DIR/raw/grid.json "
+            "(the results file, with every run's environment), DIR/report.md (tables), "
+            "DIR/results.json and DIR/grid_*.png (needs matplotlib, the 'plot' extra). Exits "
+            "with status 1 if the grid fails."
         ),
     )
     bench.add_argument(
@@ -203,7 +202,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction, suites: tuple[str, ...] |
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="where to run (default cpu; suites without CUDA support are skipped on cuda)",
+        help="where to run (default cpu)",
     )
     bench.add_argument(
         "--out",
@@ -216,25 +215,25 @@ def _add_bench_parser(sub: argparse._SubParsersAction, suites: tuple[str, ...] |
         nargs="+",
         choices=None if suites is None else list(suites),
         default=None,
-        metavar="SUITE",
-        help=f"suites to run (default all: {listed})",
+        metavar="GRID",
+        help=f"named grids to run (default all: {listed}; --quick: one cell of main)",
     )
     bench.add_argument(
         "--timeout",
         type=_positive_int,
         default=None,
         metavar="SECONDS",
-        help="stop a suite that runs longer (default: no limit)",
+        help="stop the grid if it runs longer (default: no limit)",
     )
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar over the suites")
+    bench.add_argument("--no-progress", action="store_true", help="(kept for scripts; no effect)")
     bench.add_argument(
         "--from",
         dest="from_dir",
         default=None,
         metavar="DIR",
         help=(
-            "run nothing: write the report from the suites' JSON already in DIR (e.g. "
-            "benchmarks/results, the committed full runs; with --quick, their quick runs)"
+            "run nothing: write the report from the results file in DIR (e.g. "
+            "benchmarks/results: grid.json, the committed runs; with --quick, grid_quick.json)"
         ),
     )
 
@@ -258,7 +257,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         driver = _load_driver()
     except FileNotFoundError as err:
         parser.error(str(err))
-    suites = list(driver.SUITES) if args.suites is None else args.suites
+    default = getattr(driver, "QUICK_SUITES", driver.SUITES) if args.quick else driver.SUITES
+    suites = list(default) if args.suites is None else args.suites
     unknown = [s for s in suites if s not in driver.SUITES]
     if unknown:  # only when the parser was built without the driver
         parser.error(

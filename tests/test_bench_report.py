@@ -1,199 +1,148 @@
-"""The benchmark report (``benchmarks/driver.py``): empty columns left out, re-run rows
-labelled, plots readable at page width. Reads and writes JSON only; nothing is timed."""
+"""The benchmark grid's report (``benchmarks/render.py`` through ``benchmarks/driver.py``): one
+results file, a table per named grid, runs labelled, plots written. Reads and writes JSON only;
+nothing is timed."""
 
 from __future__ import annotations
 
 import json
 import struct
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from multiscale_jac.cli import _load_driver
 
 driver = _load_driver()
-
-ENV = {"torch": "0", "python": "3", "platform": "p", "device": "cpu", "threads": 1, "date_utc": "d"}
-SUITES = ["bench_fisher", "bench_laplace", "bench_jacnorm"]
+ENV = {"torch": "0", "device": "cpu", "threads": 2, "date_utc": "2026-01-01T00:00:00"}
 
 
-def _record(seconds: float, ratio: float | None, mib: float | None, **extra: Any) -> dict:
-    return {
-        "seconds": seconds,
-        "ratio_to_train_step": ratio,
-        "peak_memory_bytes": None if mib is None else int(mib * 2**20),
-        **extra,
-    }
+def _method(kind: str, seconds: float | None, ratio: float | None, mib: float | None) -> dict:
+    rec: dict = {"kind": kind, "valid": True}
+    if seconds is not None:
+        rec.update(seconds=seconds, ratio_to_train_step=ratio)
+    if mib is not None:
+        rec["peak_memory_bytes"] = int(mib * 2**20)
+    return rec
 
 
-def _raw(tmp_path: Path) -> Path:
-    """bench_fisher: a main file (two workloads, memory ratios) and a re-run file of one
-    workload; bench_laplace: no memory ratio anywhere; bench_jacnorm: records without values."""
-    raw = tmp_path / "raw"
-    raw.mkdir()
+def _results() -> dict:
+    step = _method("train", 0.1, 1.0, 10)
     main = {
-        "env": {"torch": "x"},
-        "workloads": {
-            "vgg-n8": {
-                "methods": {
-                    "train_step": _record(0.1, 1.0, 10, memory_ratio_to_train_step=1.0),
-                    "library": _record(0.2, 2.0, 20, memory_ratio_to_train_step=2.0),
-                }
+        "family": "main",
+        "run": 1,
+        "name": "fisher/m",
+        "workload": "fisher",
+        "methods": {
+            "train_step": step,
+            "vmap_chunks": _method("peer", 0.3, 3.0, 30),
+            "library_auto": _method("library", 0.2, 2.0, 20),
+            "library_layerwise": _method("route", 0.19, 1.9, 20),
+        },
+        "best_other": "vmap_chunks",
+        "best_route": "library_layerwise",
+        "best_route_seconds": 0.19,
+        "library_over_best_other": 2 / 3,
+        "auto_over_best_route": 0.2 / 0.19,
+    }
+    batch = [
+        {
+            "family": "batch",
+            "run": 2,
+            "name": f"fisher/m@n={n}",
+            "workload": "fisher",
+            "N": n,
+            "methods": {
+                "train_step": step,
+                "library_auto": {
+                    **_method("library", 0.1 * n, n, 2 * n),
+                    "memory_ratio_to_train_step": 1.5,
+                },
+                "autograd_jacobian": {
+                    "kind": "peer",
+                    "skipped": "not run: estimated 20 GiB",
+                    "estimated_bytes": 20 * 2**30,
+                },
             },
-            "resnet-n8": {
-                "methods": {"library": _record(0.4, 4.0, 40, memory_ratio_to_train_step=4.0)}
-            },
+        }
+        for n in (8, 16)
+    ]
+    laplace = {
+        "family": "laplace_torch",
+        "run": 2,
+        "name": "laplace/c@n=32,k=100",
+        "model": "c",
+        "N": 32,
+        "P": 100,
+        "methods": {
+            "library_auto": _method("library", 0.5, 5.0, 138),
+            "laplace_torch": {**_method("peer", None, None, 6820), "run": 1},
         },
     }
-    rerun = {"workloads": {"vgg-n8": {"methods": {"library": _record(0.3, 3.5, 30)}}}}
-    (raw / "bench_fisher.json").write_text(json.dumps(main))
-    (raw / "bench_fisher_library_rerun.json").write_text(json.dumps(rerun))
-    (raw / "bench_laplace.json").write_text(
-        json.dumps({"cells": [{"method": "library", "B": 8, "k": 10, **_record(0.5, 5.0, 50)}]})
-    )
-    (raw / "bench_jacnorm.json").write_text(
-        json.dumps({"workloads": {"w": {"methods": {"m": _record(1.0, None, None)}}}})
-    )
-    return raw
-
-
-def _report(tmp_path: Path) -> str:
-    rows = driver.collect(_raw(tmp_path), SUITES)
-    return driver.render_report({"environment": ENV, "quick": False, "runs": [], "rows": rows}, {})
-
-
-def _section(report: str, suite: str) -> str:
-    return report.split(f"## {suite}\n", 1)[1].split("\n## ", 1)[0]
-
-
-def test_empty_columns_are_dropped_per_suite(tmp_path) -> None:
-    report = _report(tmp_path)
-    fisher, laplace, jacnorm = (_section(report, s) for s in SUITES)
-    # bench_fisher has memory ratios (in its main file): the column stays
-    header = "| workload | method | seconds | x train step | peak MiB | x train-step memory |"
-    assert header in fisher
-    assert "| vgg-n8 | library | 0.2 | 2 | 20 | 2 |" in fisher
-    assert "left out" not in fisher
-    # bench_laplace has none: the column and its cells are gone, and the line under it says so
-    header = "| workload | method | seconds | x train step | peak MiB |\n|---|---|--:|--:|--:|\n"
-    assert header in laplace
-    assert "| B=8 k=10 | library | 0.5 | 5 | 50 |\n" in laplace
-    assert "left out: x train-step memory." in laplace
-    # bench_jacnorm has only seconds
-    assert "| workload | method | seconds |\n|---|---|--:|\n| w | m | 1 |\n" in jacnorm
-    assert "left out: x train step, peak MiB, x train-step memory." in jacnorm
-
-
-def test_rerun_rows_are_labelled_and_grouped_with_their_workload(tmp_path) -> None:
-    report = _report(tmp_path)
-    fisher = _section(report, "bench_fisher")
-    table = [line for line in fisher.splitlines() if line.startswith("| ") and "---" not in line]
-    assert table[1:] == [
-        "| vgg-n8 | train_step | 0.1 | 1 | 10 | 1 |",
-        "| vgg-n8 | library | 0.2 | 2 | 20 | 2 |",
-        # the re-run comes right after its workload's rows, not after every other workload
-        "| vgg-n8 | library (re-run: bench_fisher_library_rerun.json) | 0.3 | 3.5 | 30 | - |",
-        "| resnet-n8 | library | 0.4 | 4 | 40 | 4 |",
+    runs = [
+        {"id": 1, "env": {**ENV, "git_commit": "abc1234567"}, "config": {}, "source": "converted"},
+        {"id": 2, "env": {**ENV, "git_commit": "def7654321"}, "config": {"quick": True}},
     ]
-    note = (
-        "Re-run rows, method marked '(re-run: bench_fisher_library_rerun.json)': 1 row "
-        "(vgg-n8); every other row comes from bench_fisher.json."
+    return {"runs": runs, "cells": [main, *batch, laplace]}
+
+
+def test_tables_state_units_and_runs() -> None:
+    import sys
+
+    sys.path.insert(0, str(driver.benchmarks_dir()))
+    import render
+
+    r = _results()
+    assert (
+        "| fisher/m | 2.00 | vmap_chunks | 3.00 | 0.67 | layerwise | 1.05 |" in render.main_table(r)
     )
-    assert note in fisher
-    # a suite of one file has no re-run label or note
-    assert "re-run" not in _section(report, "bench_laplace").lower()
+    batch = render.methods_table(r, "batch", "n")
+    assert "| fisher/m | 8 | library_auto | 0.80 | 8.00 | 16.0 | 1.50 |" in batch
+    assert "| fisher/m | 16 | autograd_jacobian | est. 20.0 GiB, not run |" in batch
+    lt = render.laplace_torch_table(r)
+    assert "| laplace/c@n=32,k=100 | laplace_torch | - | 6.66 GiB | 1 |" in lt  # MiB -> GiB
+    assert "| laplace/c@n=32,k=100 | library_auto | 0.50 | 138 MiB | 2 |" in lt
+    runs = render.runs_table(r)
+    assert "| 1 | 2026-01-01 | abc1234 |" in runs and "converted" in runs and "| quick |" in runs
 
 
-def test_sources_name_the_main_file_and_tag_the_others() -> None:
-    def rows(*files: str) -> list[dict[str, Any]]:
-        return [{"file": f} for f in files]
-
-    tags = driver._sources("bench_x", rows("bench_x_rerun.json", "bench_x.json"))
-    assert tags == {"bench_x.json": None, "bench_x_rerun.json": "re-run"}
-    # no main file and only re-runs: both are re-runs, told apart by number
-    tags = driver._sources("bench_x", rows("bench_x_a_rerun.json", "bench_x_b_rerun.json"))
-    assert tags == {"bench_x_a_rerun.json": "re-run 1", "bench_x_b_rerun.json": "re-run 2"}
-    tags = driver._sources("bench_x", rows("bench_x.json", "bench_x_other.json"))
-    assert tags == {"bench_x.json": None, "bench_x_other.json": "from"}
-    label = driver._method_label({"method": "m", "file": "bench_x_other.json"}, tags, full=True)
-    assert label == "m (from: bench_x_other.json)"
-
-
-def _png_size(path: Path) -> tuple[int, int]:
-    head = path.read_bytes()[:24]
-    assert head[:8] == b"\x89PNG\r\n\x1a\n"
-    return struct.unpack(">II", head[16:24])
-
-
-def test_plot_written_for_a_suite_with_data_only(tmp_path) -> None:
-    pytest.importorskip("matplotlib")
-    rows = driver.collect(_raw(tmp_path), SUITES)
+def test_report_from_the_results_file(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "grid.json").write_text(json.dumps(_results()))
     out = tmp_path / "out"
     out.mkdir()
-    (out / "bench_jacnorm.png").write_bytes(b"stale")  # an earlier report's figure
-    made = driver._plots(rows, out)
-    assert made == {"bench_fisher": ["bench_fisher.png"], "bench_laplace": ["bench_laplace.png"]}
-    assert not (out / "bench_jacnorm.png").exists()  # no data: no figure, the stale one gone
-    width, height = _png_size(out / "bench_fisher.png")
-    assert 850 <= width <= 1000  # page width: 8.5 in at 110 dpi
-    assert height < width  # four rows: not a tall figure
-    # the report links each figure
-    results = {"environment": ENV, "quick": False, "runs": [], "rows": rows}
-    report = driver.render_report(results, made)
-    assert "![bench_fisher](bench_fisher.png)" in report
-    assert "![bench_jacnorm]" not in report
-
-
-def test_plot_panels_rows_and_split(tmp_path) -> None:
-    plt = pytest.importorskip("matplotlib.pyplot")
-    rows = driver.collect(_raw(tmp_path), SUITES)
-    fisher = driver._by_workload([r for r in rows if r["suite"] == "bench_fisher"])
-    tags = driver._sources("bench_fisher", fisher)
-    colors = {m: "C0" for m in ("train_step", "library")}
-    fig = driver._figure(plt, "bench_fisher", fisher, tags, colors, 1, 1)
-    try:
-        assert len(fig.axes) == 2  # time and memory share the rows
-        labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
-        assert labels == [
-            "vgg-n8 · train_step",
-            "vgg-n8 · library",
-            "vgg-n8 · library (re-run)",
-            "resnet-n8 · library",
-        ]
-        assert fig.axes[0].get_xscale() == "log"
-        legend = [t.get_text() for t in fig.legends[0].get_texts()]
-        assert "re-run: bench_fisher_library_rerun.json" in legend
-        assert all(t.get_fontsize() >= 8 for t in fig.axes[0].get_yticklabels())
-    finally:
-        plt.close(fig)
-    # no memory numbers: the memory panel is dropped
-    no_mem = [{**r, "peak_memory_bytes": None} for r in fisher]
-    fig = driver._figure(plt, "bench_fisher", no_mem, tags, colors, 1, 1)
-    try:
-        assert len(fig.axes) == 1 and "time" in fig.axes[0].get_title()
-    finally:
-        plt.close(fig)
-    # many rows: one figure per group of whole workloads, none above the cap
-    many = [{**fisher[0], "workload": f"w{k // 3}", "method": f"m{k % 3}"} for k in range(21)]
-    parts = driver._plot_parts(many, 9)
-    assert [len(p) for p in parts] == [9, 9, 3]
-    workloads = [{r["workload"] for r in p} for p in parts]
-    assert sum(len(w) for w in workloads) == len(set().union(*workloads)) == 7
-    out = tmp_path / "split"
-    out.mkdir()
-    (out / "bench_fisher.png").write_bytes(b"stale")
-    made = driver._plots(many, out, max_rows=9)
-    assert made == {"bench_fisher": [f"bench_fisher_part{k}.png" for k in (1, 2, 3)]}
-    assert sorted(p.name for p in out.iterdir()) == made["bench_fisher"]
-
-
-def test_write_report_links_existing_plots(tmp_path) -> None:
-    pytest.importorskip("matplotlib")
-    out = tmp_path / "report"
-    driver.write_report(_raw(tmp_path), out, SUITES, quick=False, device="cpu")
+    (out / "stale.png").write_bytes(b"old")  # an earlier report's figure
+    driver.write_report(raw, out, ["main", "batch"], quick=False)
     report = (out / "report.md").read_text()
-    linked = [line.split("(", 1)[1].rstrip(")") for line in report.splitlines() if "![" in line]
-    assert linked == ["bench_fisher.png", "bench_laplace.png"]
-    assert all((out / name).is_file() for name in linked)
-    assert "library (re-run: bench_fisher_library_rerun.json)" in report
+    assert "## main" in report and "## batch" in report and "## laplace_torch" not in report
+    assert "### main: fisher/m" in report
+    assert not (out / "stale.png").exists()
+    results = json.loads((out / "results.json").read_text())
+    assert {c["family"] for c in results["cells"]} == {"main", "batch"}
+    pytest.importorskip("matplotlib")
+    for name in ("grid_main.png", "grid_batch.png"):
+        assert f"({name})" in report
+        width, height = struct.unpack(">II", (out / name).read_bytes()[16:24])
+        assert width >= 800 and height >= 400
+
+
+def test_published_blocks_are_rewritten_and_checked(tmp_path: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(driver.benchmarks_dir()))
+    import render
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks" / "results" / "grid.json").write_text(json.dumps(_results()))
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(
+        "# P\n\n<!-- figures: main from benchmarks/results/grid.json -->\nold\n<!-- /figures -->\n"
+    )
+    assert render.stale_blocks(tmp_path) == ["docs/page.md: main from benchmarks/results/grid.json"]
+    assert render.update_pages(tmp_path) == [page]
+    assert "| fisher/m | 2.00 |" in page.read_text() and render.stale_blocks(tmp_path) == []
+    page.write_text(page.read_text().replace("figures: main", "figures: nope"))
+    assert render.stale_blocks(tmp_path) == [
+        "docs/page.md: nope from benchmarks/results/grid.json (no such figure or results file)"
+    ]

@@ -147,8 +147,9 @@ def test_module_entry_point() -> None:
 def test_bench_help_and_suites(capsys) -> None:
     from multiscale_jac import cli
 
-    suites = list(cli._load_driver().SUITES)  # the one list of suites: benchmarks/driver.py
-    assert suites and all((cli._benchmarks_dir() / f"{s}.py").is_file() for s in suites)
+    suites = list(cli._load_driver().SUITES)  # the named grids: benchmarks/driver.py
+    grid = (cli._benchmarks_dir() / "bench_peers.py").read_text()
+    assert suites and all(f'\n    "{s}": (' in grid for s in suites)  # bench_peers.FAMILIES
     with pytest.raises(SystemExit) as info:
         main(["bench", "--help"])
     assert info.value.code == 0
@@ -199,30 +200,40 @@ def test_bench_checks_suites_when_help_had_no_driver(monkeypatch, capsys) -> Non
     assert "invalid choice: 'bench_nope'" in capsys.readouterr().err
 
 
-def test_bench_report_from_suite_json(tmp_path) -> None:
-    """The report reads every method record, whatever the nesting of a suite's JSON."""
+def _grid_results() -> dict:
+    """A results file of two named grids (one run), as bench_peers.py writes it."""
+    env = {"torch": "0", "device": "cpu", "threads": 2, "date_utc": "2026-01-01T00:00:00"}
+    step = {"kind": "train", "seconds": 0.5, "ratio_to_train_step": 1.0, "peak_memory_bytes": 2**20}
+    auto = {"kind": "library", "seconds": 1.0, "ratio_to_train_step": 2.0, "valid": True}
+    cell = {"run": 1, "workload": "fisher", "model": "m", "N": 8, "P": 10, "O": 3}
+    return {
+        "runs": [{"id": 1, "env": env, "config": {"quick": False}}],
+        "cells": [
+            {
+                **cell,
+                "family": "main",
+                "name": "fisher/m",
+                "methods": {"train_step": step, "library_auto": auto},
+            },
+            {**cell, "family": "batch", "name": "fisher/m@n=8", "methods": {"library_auto": auto}},
+        ],
+    }
+
+
+def test_bench_report_from_the_results_file(tmp_path) -> None:
+    """The report renders the named grids asked for from the one results file."""
     import json
 
     from multiscale_jac.cli import _load_driver
 
-    driver = _load_driver()
     raw = tmp_path / "raw"
     raw.mkdir()
-    record = {"seconds": 0.5, "ratio_to_train_step": 2.0, "peak_memory_bytes": 3 * 2**20}
-    (raw / "bench_fisher.json").write_text(
-        json.dumps({"env": {}, "workloads": {"vgg-n8": {"methods": {"library": record}}}})
-    )
-    (raw / "bench_laplace.json").write_text(
-        json.dumps({"cells": [{"method": "library", "B": 32, "k": 100, **record}]})
-    )
-    rows = driver.collect(raw, ["bench_fisher", "bench_laplace"])
-    assert [(r["suite"], r["workload"], r["method"]) for r in rows] == [
-        ("bench_fisher", "vgg-n8", "library"),
-        ("bench_laplace", "B=32 k=100", "library"),
-    ]
-    results = {"environment": driver.environment("cpu"), "quick": True, "runs": [], "rows": rows}
-    report = driver.render_report(results, {})
-    assert "## bench_laplace" in report and "| B=32 k=100 | library | 0.5 | 2 | 3 |" in report
+    (raw / "grid.json").write_text(json.dumps(_grid_results()))
+    _load_driver().write_report(raw, tmp_path / "out", ["main"], quick=False)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## main" in report and "| fisher/m | 2.00 |" in report and "## batch" not in report
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [c["name"] for c in results["cells"]] == ["fisher/m"]
 
 
 @pytest.mark.slow
@@ -231,16 +242,11 @@ def test_bench_from_existing_results(tmp_path) -> None:
 
     raw = tmp_path / "raw"
     raw.mkdir()
-    record = {"seconds": 1.0, "ratio_to_train_step": 3.0, "peak_memory_bytes": 2**20}
-    (raw / "bench_jacnorm.json").write_text(
-        json.dumps({"workloads": {"w": {"methods": {"m": record}}}})
-    )
-    (raw / "bench_jacnorm_quick.json").write_text(
-        json.dumps({"cells": [{"method": "q", **record}]})
-    )
+    (raw / "grid.json").write_text(json.dumps(_grid_results()))
+    (raw / "grid_quick.json").write_text(json.dumps({"runs": [], "cells": []}))
     out = tmp_path / "report"
-    assert main(["bench", "--from", str(raw), "--out", str(out), "--suites", "bench_jacnorm"]) == 0
+    assert main(["bench", "--from", str(raw), "--out", str(out), "--suites", "batch"]) == 0
     report = (out / "report.md").read_text()
-    assert "| w | m | 1 | 3 | 1 |" in report and "| q |" not in report  # full runs only
+    assert "## batch" in report and "| fisher/m | 8 | library_auto | 1.00 | 2.00 |" in report
     results = json.loads((out / "results.json").read_text())
-    assert results["environment"]["torch"] and len(results["rows"]) == 1
+    assert results["runs"][0]["env"]["torch"] == "0" and len(results["cells"]) == 1
