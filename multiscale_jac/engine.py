@@ -50,6 +50,7 @@ from ._planning import (
 )
 from ._tuning import (
     COUNTS,
+    GROWTH,
     PLAN_CACHE,
     auto_measures,
     decide,
@@ -570,8 +571,13 @@ class _RouteTiming:
             return a not in times or pick(times, prefer=lambda size: size) == b
 
         chosen = n
-        while up and chosen < largest and replaces(chosen, even_chunk(2 * chosen, largest)):
-            chosen = even_chunk(2 * chosen, largest)  # doubled while faster, up to the bucket
+        most = min(largest, GROWTH * n)  # the working set timed: GROWTH x the estimate's
+
+        def doubled(k: int) -> int:
+            return even_chunk(min(2 * k, most), largest)
+
+        while up and chosen < doubled(chosen) and replaces(chosen, doubled(chosen)):
+            chosen = doubled(chosen)  # doubled while faster, up to GROWTH x the planned calls
         if chosen == n and down is not None and replaces(n, down):
             chosen = down
         self.notes.append(

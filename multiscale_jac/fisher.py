@@ -60,6 +60,7 @@ from ._memory import cpu_chunk_cap, fisher_chunks, fisher_kept, fisher_sample
 from ._planning import EngineOptions, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from ._tuning import (
+    GROWTH,
     PLAN_CACHE,
     auto_measures,
     decide,
@@ -105,8 +106,9 @@ register_types(FisherMethod)  # in the decisions a file keeps (multiscale_jac.tu
 _VMAP_CHUNK = 32
 #: ``method="auto"`` times layer-wise against ``vmap`` on batches of this many samples
 MIN_TUNE_SAMPLES = 16
-#: ``method="auto"``: the larger layer-wise chunk it times (and runs, when chosen)
-_LAYERWISE_CHUNK = 128
+#: ``method="auto"``: the larger layer-wise chunk it times (and runs, when chosen), the one
+#: growth rule (:data:`~multiscale_jac._tuning.GROWTH`) over the planned chunk: 128 samples
+_LAYERWISE_CHUNK = GROWTH * _VMAP_CHUNK
 #: the smallest per-layer temporaries a layer-wise run works with
 _MIN_TEMP_BYTES = 2**16
 

@@ -49,6 +49,7 @@ from ._planning import (
 )
 from ._stream import with_progress
 from ._tuning import (
+    GROWTH,
     PLAN_CACHE,
     RETIME,
     auto_measures,
@@ -90,9 +91,8 @@ _VMAP_BYTES = 256 * 2**20
 _HALF_CHUNK_FROM = 8
 #: ``auto`` also times ``vmap`` at up to this many times its default chunk (where the samples,
 #: :data:`_VMAP_BYTES` and on CPU :data:`~multiscale_jac._memory.CPU_TENSOR_BYTES` allow):
-#: 64 samples a chunk against 16 took 0.51x the time on a small transformer, 0.58x on a
-#: GroupNorm/depthwise CNN, 0.83x on an 8-conv CNN
-_LARGER = 4
+#: the one growth rule, :data:`~multiscale_jac._tuning.GROWTH`
+_LARGER = GROWTH
 
 
 def jacobian_sq_norm(

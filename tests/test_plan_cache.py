@@ -412,6 +412,7 @@ def test_jacobian_norm_ties_go_to_the_largest_chunk(measuring, monkeypatch) -> N
         (None, "smaller", 6),
         (None, "larger", 12),
         (3, "larger", 12),
+        (2, "larger", 6),
         (3, "smaller", 3),
         (1, "larger", 1),
     ],
@@ -419,6 +420,7 @@ def test_jacobian_norm_ties_go_to_the_largest_chunk(measuring, monkeypatch) -> N
         "whole-bucket-halves",
         "whole-bucket-stays",
         "three-doubles-to-the-bucket",
+        "two-doubles-up-to-growth-times-the-plan",
         "three-stay",
         "one-sample-is-not-doubled",
     ],
@@ -427,8 +429,8 @@ def test_auto_times_the_samples_per_call(
     measuring, monkeypatch, planned, faster: str, chosen: int
 ) -> None:
     """``tune="auto"`` times the chosen route's calls at their planned size against twice it
-    (where the bucket has the samples) and, where that is not faster, half it, on the same
-    samples; the faster size runs, is cached, and the result stays exact. Timings forced:
+    (where the bucket has the samples; never beyond ``_tuning.GROWTH`` x the planned size, the
+    working set timed) and, where that is not faster, half it, on the same samples; the faster size runs, is cached, and the result stays exact. Timings forced:
     per-sample seconds falling (``larger`` faster) or rising with the call size."""
     from multiscale_jac import _planning, engine
 
