@@ -124,9 +124,16 @@ def test_diag_fisher_matches_loop(case_id: str, likelihood: str, kind: str) -> N
     assert set(res.as_dict()) == set(subset.names)
 
 
-@pytest.mark.parametrize("method", ["auto", "vmap"])
-@pytest.mark.parametrize("kind", ["empirical", "mc", "exact"])
-@pytest.mark.parametrize("case_id, likelihood", CASES)
+@pytest.mark.parametrize(
+    "case_id, likelihood, kind, method",
+    [
+        # the fast tier: one method per case and kind, alternating; the slow tier the other
+        pytest.param(c, lk, kind, method, marks=[pytest.mark.slow] * ((p + k + m) % 2))
+        for p, (c, lk) in enumerate(CASES)
+        for k, kind in enumerate(["empirical", "mc", "exact"])
+        for m, method in enumerate(["auto", "vmap"])
+    ],
+)
 def test_return_loss_is_the_nll_of_the_data(
     case_id: str, likelihood: str, kind: str, method: str
 ) -> None:

@@ -87,8 +87,15 @@ def dense_loss(outs, targets, likelihood: str) -> float:
 
 
 # ---------------------------------------------------------------------- curvature
-@pytest.mark.parametrize("hessian", ["ggn", "empirical"])
-@pytest.mark.parametrize("case_id, likelihood", CASES)
+@pytest.mark.parametrize(
+    "case_id, likelihood, hessian",
+    [
+        # the fast tier: one curvature per case, alternating; the slow tier the other
+        pytest.param(c, lk, h, marks=[pytest.mark.slow] * ((p + k) % 2))
+        for p, (c, lk) in enumerate(CASES)
+        for k, h in enumerate(["ggn", "empirical"])
+    ],
+)
 def test_subset_curvature_matches_dense(case_id: str, likelihood: str, hessian: str) -> None:
     model, subset, data, outs, targets, jacs, _ = setup(case_id, likelihood)
     la = mj.SubnetLaplace(model, likelihood, subset, hessian=hessian)

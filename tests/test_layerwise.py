@@ -93,8 +93,24 @@ def test_empirical_matches_loop(case_id: str, likelihood: str, subset_kind: str)
     torch.testing.assert_close(res.flat, ref, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["empirical", "mc", "exact"])
-@pytest.mark.parametrize("case_id, likelihood", _zoo_params(ZOO_IDS))
+def _zoo_kind_params() -> list:
+    """(case, likelihood, kind): the fast tier runs one kind per case and likelihood, turning
+    down the list (each kind on a third of them); the slow tier the rest and SLOW_TIER."""
+    pairs = [(c, lk) for c in ZOO_IDS for lk in _likelihoods(c)]
+    return [
+        pytest.param(
+            c,
+            lk,
+            kind,
+            id=f"{c}-{lk}-{kind}",
+            marks=[pytest.mark.slow] * (c in SLOW_TIER or (p + k) % 3 != 0),
+        )
+        for p, (c, lk) in enumerate(pairs)
+        for k, kind in enumerate(["empirical", "mc", "exact"])
+    ]
+
+
+@pytest.mark.parametrize("case_id, likelihood, kind", _zoo_kind_params())
 def test_layerwise_matches_vmap(case_id: str, likelihood: str, kind: str) -> None:
     """Same drawn labels (same generator and chunks) for ``mc``; vmap is checked against the
     loop in test_fisher."""
