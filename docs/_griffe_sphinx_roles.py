@@ -22,7 +22,9 @@ from typing import Any
 import griffe
 from markdown.extensions.toc import slugify
 
-_ROLE = re.compile(r":(?:py:)?(?:attr|class|data|exc|func|meth|mod|obj|const):`(~?)([^`]+)`")
+_ROLE = re.compile(
+    r":(?:py:)?(?:attr|class|data|exc|func|meth|mod|obj|const):`(~?)([^`]+)`"
+)
 _DOCS = Path(__file__).resolve().parent
 _OPTIONS_TABLE = re.compile(r"the options table\s+in\s+``docs/design\.md``")
 _PAGE = re.compile(r"``docs/([a-z0-9_-]+)\.md``")

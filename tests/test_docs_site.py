@@ -31,6 +31,21 @@ FORBIDDEN = re.compile(
 _LIST_ITEM = re.compile(r"^( *)([-*+]|\d+\.) \S")
 _FENCE = re.compile(r"^ *(```|~~~)")
 
+#: characters a code block of the site shows in a line at the theme's widest content column
+#: (measured in Chromium; the phone layout is narrower and scrolls). Code blocks do not wrap
+#: (docs/stylesheets/extra.css): a wrapped line would continue at column 0.
+CODE_WIDTH = 80
+#: fenced blocks that may be wider (they scroll sideways): program output and tables
+_WIDE_LANGUAGES = {"text"}
+#: pages whose code lines are not checked, and why
+_WIDE_PAGES = {
+    # shows the example scripts themselves (--8<--), formatted at the repository's 100 columns
+    "examples.md": "the example scripts, included",
+    # the benchmark pages are written with the benchmark results (benchmarks/)
+    "benchmarks.md": "written with the benchmark results",
+    "report/report.md": "written by multiscale-jac bench",
+}
+
 
 def _prose_lines(text: str) -> list[tuple[int, str]]:
     """(line number, line) of a markdown page outside fenced code blocks and the options of
@@ -90,6 +105,52 @@ def test_landing_page_example_prints_what_its_comment_says(capsys) -> None:
     exec(compile(block, "index.md", "exec"), {"__name__": "__docs__"})
     (claim,) = re.findall(r"^print\(.*\)\s+#\s*(.+)$", block, flags=re.M)
     assert capsys.readouterr().out.strip() == claim.strip()
+
+
+def _code_lines(text: str) -> list[tuple[int, str, str]]:
+    """(line number, language, line) of every line inside a fenced code block."""
+    found, language = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        fence = re.match(r"^ *(?:```|~~~)\s*([\w-]*)", line)
+        if fence:
+            language = (fence.group(1) or "plain") if language is None else None
+        elif language is not None:
+            found.append((number, language, line))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(DOCS).as_posix())
+def test_code_lines_fit_the_code_block(page: Path) -> None:
+    """No line of a page's code blocks (Python, shell) is wider than a code block shows:
+    docs/.ruff.toml formats the pages' Python at that width, comments and shell lines are
+    wrapped by hand."""
+    name = page.relative_to(DOCS).as_posix()
+    if name in _WIDE_PAGES:
+        pytest.skip(_WIDE_PAGES[name])
+    wide = [
+        f"line {number} ({len(line)} characters, {language}): {line.strip()[:60]}"
+        for number, language, line in _code_lines(page.read_text(encoding="utf-8"))
+        if language not in _WIDE_LANGUAGES and len(line) > CODE_WIDTH
+    ]
+    assert not wide, f"{name}: code lines over {CODE_WIDTH} characters: " + "; ".join(wide)
+
+
+def test_segmentation_guide_shows_the_figure_it_describes() -> None:
+    """The guide describes the example's five-column picture and shows it: the committed PNG
+    is the example's figure (2.5 inches a column at 100 dpi; three rows: 2.2 inches each
+    and 1.9 for titles, colour bars and caption)."""
+    text = (DOCS / "guide-subnet-laplace.md").read_text(encoding="utf-8")
+    assert "five columns" in text
+    (src,) = re.findall(r"!\[[^\]]*\]\((figures/[^)]+\.png)\)", text)
+    png = (DOCS / src).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (5 * 250, 3 * 220 + 190)
+
+
+def test_docs_ruff_config_formats_at_the_code_block_width() -> None:
+    config = (DOCS / ".ruff.toml").read_text(encoding="utf-8")
+    assert re.search(rf"^line-length = {CODE_WIDTH}$", config, flags=re.M)
 
 
 # ------------------------------------------------------------------ the built site
@@ -243,7 +304,51 @@ def test_long_signatures_are_wrapped(site: Path) -> None:
     code = re.sub(r"<[^>]+>", "", block.group(1))
     lines = [ln for ln in code.splitlines() if ln.strip()]
     assert len(lines) > 10, code
-    assert max(len(ln) for ln in lines) <= 88, max(lines, key=len)
+    assert max(len(ln) for ln in lines) <= CODE_WIDTH, max(lines, key=len)
+
+
+#: an element that makes the browser fetch something (an <a> link is only followed on a click)
+_FETCHING = re.compile(
+    r"<(?:script|img|iframe|source|video|audio)\b[^>]*\bsrc=\"(?P<src>[^\"]*)\""
+    r"|<link\b[^>]*\bhref=\"(?P<href>[^\"]*)\"",
+    flags=re.I,
+)
+
+
+@pytest.mark.slow
+def test_the_site_loads_nothing_from_the_network(site: Path) -> None:
+    """Every script, stylesheet, font and image a page or a stylesheet of the site loads is a
+    file of the site: it reads the same offline (the theme's web font is off, formulas need no
+    script)."""
+    remote = []
+    for path in sorted(site.rglob("*.html")):
+        for match in _FETCHING.finditer(path.read_text(encoding="utf-8")):
+            url = match.group("src") or match.group("href")
+            if urlsplit(url).scheme in ("http", "https") or url.startswith("//"):
+                remote.append(f"{path.relative_to(site)}: {url}")
+    for path in sorted(site.rglob("*.css")):
+        for url in re.findall(r"url\(\s*['\"]?([^'\")]+)", path.read_text(encoding="utf-8")):
+            if urlsplit(url).scheme in ("http", "https") or url.startswith("//"):
+                remote.append(f"{path.relative_to(site)}: {url}")
+    assert not remote, "\n".join(remote)
+
+
+@pytest.mark.slow
+def test_formulas_are_mathml_written_at_build_time(site: Path) -> None:
+    """Every formula of the site is MathML in the page (docs/_hooks.py), no TeX is left for a
+    script to typeset, and the math font the stylesheet names is part of the site."""
+    count, raw = 0, []
+    for path in sorted(site.rglob("*.html")):
+        html = path.read_text(encoding="utf-8")
+        for element in re.findall(r'class="arithmatex">(.*?)</(?:span|div)>', html, flags=re.S):
+            count += 1
+            if not element.startswith("<math") or "\\(" in element or "\\[" in element:
+                raw.append(f"{path.relative_to(site)}: {element[:80]}")
+    assert count >= 50, f"only {count} formulas found"
+    assert not raw, "\n".join(raw)
+    css = (site / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    (font,) = re.findall(r'src: url\("\.\./([^"]+)"\)', css)
+    assert (site / font).is_file() and (site / font).stat().st_size > 100_000
 
 
 @pytest.mark.slow
