@@ -2,8 +2,10 @@
 
 Every row is timed three ways: the engine's *first* call (planning and one-off set-up
 included), the engine *warm* (median of repeated calls after the first) and the loop reference
-*warm* (median of repeated calls after a one-sample warm-up call). The speed-up is warm loop
-over warm engine; a first-call time is never used as a ratio.
+*warm* (median of repeated calls after a one-sample warm-up call). The warm calls run in
+interleaved rounds (one engine call, then one loop call), so that a change in the machine's load
+falls on both alike; the speed-up is the median of the rounds' ratios (warm loop over warm
+engine), reported with their range. A first-call time is never used as a ratio.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ __all__ = ["DemoRow", "format_footer", "format_header", "format_row", "iter_demo
 #: Spatial sizes (H, W) of the finest level; the second level is half that (rounded up).
 _SIZES = [(10, 10), (8, 12), (10, 10), (12, 8), (8, 8), (8, 12), (10, 10), (9, 7)]
 
-#: Warm calls of one method stop early once they have taken this long in total (at least one
-#: warm call is always made), so that a slow loop reference does not triple the demo's time.
+#: The interleaved warm rounds stop early once the warm calls of one method have taken this long
+#: in total (at least one round is always made), so that a slow loop reference does not triple
+#: the demo's time.
 WARM_BUDGET_S = 10.0
 
 
@@ -49,6 +52,8 @@ class DemoRow:
         max_abs_diff: Largest absolute difference between engine and loop reference.
         engine_calls: Number of warm engine calls behind ``engine_s``.
         loop_calls: Number of warm loop-reference calls behind ``loop_s``.
+        ratios: Warm loop over warm engine of each interleaved round (empty: not recorded;
+            :attr:`speed_up` is then ``loop_s / engine_s``).
     """
 
     subset: str
@@ -62,11 +67,22 @@ class DemoRow:
     max_abs_diff: float
     engine_calls: int = 1
     loop_calls: int = 1
+    ratios: tuple[float, ...] = ()
 
     @property
     def speed_up(self) -> float:
-        """Warm loop reference over warm engine (``inf`` if the engine took no time)."""
+        """Warm loop reference over warm engine: the median of the interleaved rounds' ratios
+        (``loop_s / engine_s`` without them; ``inf`` if the engine took no time)."""
+        if self.ratios:
+            return statistics.median(self.ratios)
         return self.loop_s / self.engine_s if self.engine_s > 0 else float("inf")
+
+    @property
+    def speed_up_text(self) -> str:
+        """The speed-up with the range of the rounds, e.g. ``"3.1x (2.7-3.5x)"``."""
+        if len(self.ratios) < 2:
+            return f"{self.speed_up:.1f}x"
+        return f"{self.speed_up:.1f}x ({min(self.ratios):.1f}-{max(self.ratios):.1f}x)"
 
 
 def iter_demo(
@@ -88,8 +104,9 @@ def iter_demo(
         seed: Random seed of model, data and entries.
         device: Where to run (``"cpu"`` or ``"cuda"``).
         dtype: Dtype of model and data.
-        repeats: Most warm calls per method; the median is reported. Fewer are made once the
-            warm calls of a method have taken :data:`WARM_BUDGET_S` seconds (at least one).
+        repeats: Most interleaved warm rounds (one engine call, then one loop-reference call);
+            the medians and the rounds' ratios are reported. Fewer are made once the warm
+            calls of one method have taken :data:`WARM_BUDGET_S` seconds (at least one).
         progress: Called with a short description before every timed call (for a progress
             line); ``None``: silent.
 
@@ -119,12 +136,6 @@ def iter_demo(
         res, first_s = _timed(
             lambda s=subset: per_sample_jacobian(model, packed, params=s, strategy="auto"), device
         )
-        engine_times = _warm_times(
-            lambda s=subset: per_sample_jacobian(model, packed, params=s, strategy="auto"),
-            device,
-            repeats,
-            lambda k, label=label: say(f"{label}: engine, warm call {k}/{repeats}"),
-        )
         say(f"{label}: loop reference, warm-up call on one sample")
         _timed(lambda s=subset: per_sample_jacobian_loop(model, batch[:1], params=s), device)
         refs: list = []
@@ -132,11 +143,12 @@ def iter_demo(
         def loop_call(s: ParamSubset = subset, out: list = refs) -> None:
             out[:] = [per_sample_jacobian_loop(model, packed, params=s)]
 
-        loop_times = _warm_times(
+        engine_times, loop_times = _interleaved_rounds(
+            lambda s=subset: per_sample_jacobian(model, packed, params=s, strategy="auto"),
             loop_call,
             device,
             repeats,
-            lambda k, label=label: say(f"{label}: loop reference, warm call {k}/{repeats}"),
+            lambda k, who, label=label: say(f"{label}: round {k}/{repeats}, {who} warm call"),
         )
         diff = (res.jacobian - refs[0].jacobian).abs().max().item()
         yield DemoRow(
@@ -151,6 +163,9 @@ def iter_demo(
             max_abs_diff=diff,
             engine_calls=len(engine_times),
             loop_calls=len(loop_times),
+            ratios=tuple(
+                lo / en if en > 0 else float("inf") for en, lo in zip(engine_times, loop_times)
+            ),
         )
 
 
@@ -165,23 +180,31 @@ def _timed(call: Callable[[], object], device: str) -> tuple[object, float]:
     return out, elapsed
 
 
-def _warm_times(
-    call: Callable[[], object], device: str, repeats: int, announce: Callable[[int], None]
-) -> list[float]:
-    """Seconds of up to ``repeats`` calls (at least one; stop once they took
+def _interleaved_rounds(
+    engine: Callable[[], object],
+    loop: Callable[[], object],
+    device: str,
+    repeats: int,
+    announce: Callable[[int, str], None],
+) -> tuple[list[float], list[float]]:
+    """Seconds of the engine's and the loop's warm calls, in up to ``repeats`` rounds of one
+    engine call then one loop call (at least one round; stop once one method's calls took
     :data:`WARM_BUDGET_S` in total)."""
-    times: list[float] = []
+    engine_times: list[float] = []
+    loop_times: list[float] = []
     for k in range(1, max(1, repeats) + 1):
-        announce(k)
-        times.append(_timed(call, device)[1])
-        if sum(times) >= WARM_BUDGET_S:
+        announce(k, "engine")
+        engine_times.append(_timed(engine, device)[1])
+        announce(k, "loop reference")
+        loop_times.append(_timed(loop, device)[1])
+        if max(sum(engine_times), sum(loop_times)) >= WARM_BUDGET_S:
             break
-    return times
+    return engine_times, loop_times
 
 
 _COLUMNS = (
     f"{'subset':<14} {'P':>6} {'strategy':<9} {'mode':<4} {'jacobian (N, O, P)':<20} "
-    f"{'first s':>8} {'warm s':>8} {'loop warm s':>11} {'speed-up':>8} {'max |diff|':>11}"
+    f"{'first s':>8} {'warm s':>8} {'loop warm s':>11} {'max |diff|':>11}  speed-up (range)"
 )
 
 
@@ -192,23 +215,35 @@ def format_header(header: str) -> str:
 
 def format_row(r: DemoRow) -> str:
     """One table row: the engine's first call, its warm median, the loop reference's warm
-    median, the warm speed-up and the largest difference."""
+    median, the largest difference and the warm speed-up with the range of its rounds."""
     return (
         f"{r.subset:<14} {r.numel:>6} {r.strategy:<9} {r.mode:<4} {r.shape!s:<20} "
-        f"{r.first_s:>8.3f} {r.engine_s:>8.3f} {r.loop_s:>11.3f} {r.speed_up:>7.1f}x "
-        f"{r.max_abs_diff:>11.2e}"
+        f"{r.first_s:>8.3f} {r.engine_s:>8.3f} {r.loop_s:>11.3f} {r.max_abs_diff:>11.2e}  "
+        f"{r.speed_up_text}"
     )
 
 
 def format_footer(rows: list[DemoRow]) -> str:
-    """What the time columns mean, with the number of warm calls behind each median."""
+    """What the time columns mean, with the number of warm calls behind each median, and the
+    headline: each row's speed-up with its range over the interleaved rounds."""
     counts = "; ".join(f"{r.subset}: engine {r.engine_calls}, loop {r.loop_calls}" for r in rows)
+    headline = "; ".join(f"{r.subset} ({r.mode}) {_headline(r)}" for r in rows)
     return (
         "first s: the engine's first call on this subset and batch (planning included).\n"
         "warm s: median of the engine's warm calls after the first; loop warm s: median of the "
-        "loop reference's warm calls after a warm-up call.\n"
-        f"speed-up = loop warm s / warm s (warm calls vs warm calls). Warm calls: {counts}."
+        "loop reference's warm calls after a warm-up call; the warm calls run in interleaved "
+        "rounds (one engine call, then one loop call).\n"
+        "speed-up = loop warm s / warm s (warm calls vs warm calls): the median of the rounds' "
+        f"ratios, their lowest and highest in brackets. Warm calls: {counts}.\n"
+        f"Warm speed-up over the loop reference: {headline}."
     )
+
+
+def _headline(r: DemoRow) -> str:
+    rounds = len(r.ratios)
+    if rounds < 2:
+        return f"{r.speed_up_text} (one round)" if rounds else r.speed_up_text
+    return f"{r.speed_up_text} over {rounds} interleaved rounds"
 
 
 def format_rows(rows: list[DemoRow], header: str) -> str:
