@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import CASES, DTYPE, FWD_HEAVY
+from cases import CASES, DTYPE, FWD_HEAVY, SLOW_TIER
 from conftest import CASE_BY_ID, zoo_model
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -66,7 +66,8 @@ def _structured_combos() -> list:
         for j, mode in enumerate(("fwd", "rev")):
             for k, kind in enumerate(("entries", "whole")):
                 # forward mode over every tensor of a deep model: seconds (slow tier)
-                heavy = c.id in FWD_HEAVY and mode == "fwd"
+                # and the SLOW_TIER cases (seconds in either mode)
+                heavy = (c.id in FWD_HEAVY and mode == "fwd") or c.id in SLOW_TIER
                 fast = (i + j) % 2 == k and not heavy
                 out.append(
                     pytest.param(
