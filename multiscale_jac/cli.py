@@ -143,9 +143,10 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
             "entries with strategy='auto', check them against the loop reference and print "
             "strategy, mode, shapes, times and the largest absolute difference, one row as soon "
             "as it is computed (a progress line on stderr while it works). Times: the engine's "
-            "first call (planning included), then warm medians of repeated calls of the engine "
-            "and of the loop reference; the speed-up is warm vs warm. Exits with status 1 if a "
-            "difference exceeds the tolerance."
+            "first call (planning included) and its second (where it measures its routes), then "
+            "warm medians of repeated calls of the engine and of the loop reference, interleaved "
+            "round by round; the speed-up is warm vs warm, the median of the rounds with their "
+            "range. Exits with status 1 if a difference exceeds the tolerance."
         ),
     )
     demo.add_argument("--samples", type=_positive_int, default=8, help="batch size N (default 8)")
@@ -161,8 +162,9 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
         type=_positive_int,
         default=3,
         help=(
-            "warm calls per method, median reported (default 3; fewer once one method's warm "
-            "calls took 10 s)"
+            "interleaved rounds of warm calls (one engine call, then one loop-reference call): "
+            "medians and the speed-up's range over the rounds reported (default 3; at least 2, "
+            "no more once the rounds took 30 s)"
         ),
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -293,7 +295,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     header = (
         f"multiscale_jac demo: TinyFPN, {args.samples} mixed-size samples (2 levels), "
         f"{args.dtype} on {args.device}; tolerance {tol:g}; warm times are medians of up to "
-        f"{args.repeats} calls after the first"
+        f"{args.repeats} calls after the first two, engine and loop reference interleaved"
     )
     line = _ProgressLine(enabled=not args.no_progress)
     print(format_header(header), flush=True)
