@@ -114,8 +114,17 @@ def test_every_entry_point_leaves_the_model_as_found(entry: str) -> None:
     _assert_as_found(CASE.build(), ENTRY_POINTS[entry])
 
 
-@pytest.mark.parametrize("case_id", ["anchor_cache_head", "coord_grid", "bifpn_ragged"])
-@pytest.mark.parametrize("strategy", ["auto", "padded", "bucketed"])
+@pytest.mark.parametrize(
+    ("strategy", "case_id"),
+    [
+        # the deep BiFPN (SLOW_TIER) runs padded in the fast tier, its other routes slow
+        pytest.param(
+            s, c, marks=[pytest.mark.slow] * (c in SLOW_TIER and s != "padded"), id=f"{s}-{c}"
+        )
+        for s in ("auto", "padded", "bucketed")
+        for c in ("anchor_cache_head", "coord_grid", "bifpn_ragged")
+    ],
+)
 def test_library_style_zoo_models_are_left_as_found(case_id: str, strategy: str) -> None:
     """The zoo's models written as detection libraries write them: after a call, state, tensor
     attributes and their own forward on every shape seen are as before."""
