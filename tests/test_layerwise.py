@@ -193,6 +193,24 @@ def test_plan_records_rules_and_reasons() -> None:
     assert any("Conv3d" in n for n in res.notes)
     with pytest.raises(ValueError, match=r"c1\.weight.*Conv3d"):
         diag_fisher(c3d, data, method="layerwise", progress=False)
+    # a parameter that is no module's weight or bias (as the BiFPN's edge weights): vmap, and why
+    free = FreeScale().to(DTYPE)
+    x = torch.randn(4, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(0))
+    res = diag_fisher(free, [(x, torch.tensor([0, 2, 1, 0]))], progress=False)
+    assert res.plan["scale"] == "vmap" and res.plan["lin.weight"] != "vmap", res.plan
+    assert "scale: not the weight or bias of a module -> vmap" in res.notes, res.notes
+
+
+class FreeScale(nn.Module):
+    """A linear map times a parameter of its own (no module's weight or bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
 
 
 class MixesSamples(nn.Module):
