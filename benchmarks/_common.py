@@ -105,7 +105,12 @@ def git_commit(root: Path = REPO_ROOT) -> dict[str, Any]:
         return out.stdout.strip()
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    # the results the run itself writes do not make the tree dirty
+    status = (
+        git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
+        if commit
+        else None
+    )
     return {"commit": commit or None, "dirty": None if status is None else bool(status)}
 
 

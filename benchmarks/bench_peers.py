@@ -1561,7 +1561,7 @@ def cell_worker(args: argparse.Namespace) -> int:
     del cell, baseline
     ran = [m for m in methods if "seconds" in results[m.name] and m.kind != "train"]
     limits = {
-        m.name: max(args.check_limit, 4 * results[m.name].get("slice_seconds", 0.0)) for m in ran
+        m.name: max(args.check_limit, 10 * results[m.name].get("slice_seconds", 0.0)) for m in ran
     }
     try:
         rec["check"], checks = check_methods(spot, ran, args, limits)

@@ -76,6 +76,20 @@ def cells(results: dict[str, Any], family: str) -> list[dict[str, Any]]:
     return [c for c in results["cells"] if c.get("family") == family]
 
 
+def measured(family: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """A family's table, or a line saying that none of its cells has been measured yet."""
+
+    def wrap(fn: Callable[..., str]) -> Callable[..., str]:
+        def table_or_line(results: dict[str, Any], *args: Any, **kw: Any) -> str:
+            if cells(results, family):
+                return fn(results, *args, **kw)
+            return f"No cell of this grid measured yet (`bench_peers.py --grid {family}`)."
+
+        return table_or_line
+
+    return wrap
+
+
 def cell(results: dict[str, Any], family: str, name: str) -> dict[str, Any]:
     found = [c for c in cells(results, family) if c["name"] == name]
     return found[0] if found else {"name": name, "methods": {}}
@@ -175,6 +189,7 @@ def methods_table(
     return table([*head, "peak MiB", "x step memory"], rows)
 
 
+@measured("dense")
 def dense_table(results: dict[str, Any]) -> str:
     rows = []
     for c in cells(results, "dense"):
@@ -195,6 +210,7 @@ def dense_table(results: dict[str, Any]) -> str:
     return table([*head, "rel diff"], rows)
 
 
+@measured("laplace_torch")
 def laplace_torch_table(results: dict[str, Any]) -> str:
     rows = []
     for c in cells(results, "laplace_torch"):
@@ -208,6 +224,7 @@ def laplace_torch_table(results: dict[str, Any]) -> str:
     return table(["cell", "method", "s", "peak memory", "run"], rows)
 
 
+@measured("first_call")
 def first_call_table(results: dict[str, Any]) -> str:
     rows = []
     for c in cells(results, "first_call"):
@@ -228,6 +245,17 @@ def first_call_table(results: dict[str, Any]) -> str:
     return table([*head, "loaded / allowance", "RSS / tune=False", "over target"], rows)
 
 
+def busy(load: list[Any], threads: int) -> str:
+    """A note where the machine's load average passed its threads: other work shared the cores
+    (times are then noisy; ratios in training steps less so, memory not at all)."""
+    peak = max((x[0] for x in load if x), default=0.0)
+    return (
+        f"; loaded machine (load {peak:.1f} on {threads} threads): times noisy"
+        if peak > threads
+        else ""
+    )
+
+
 def runs_table(results: dict[str, Any], families: Iterable[str] | None = None) -> str:
     """Which run measured which cells: its date, commit, machine load, and its source (a run
     converted from an earlier suite's file says so)."""
@@ -241,20 +269,20 @@ def runs_table(results: dict[str, Any], families: Iterable[str] | None = None) -
             continue
         env = r["env"]
         commit = (env.get("git_commit") or "?")[:7] + (" (dirty)" if env.get("git_dirty") else "")
-        load = env.get("load_average_at_start")
+        load = [env.get(f"load_average_at_{k}") for k in ("start", "end")]
         rows.append(
             [
                 r["id"],
                 env.get("date_utc", "?")[:10],
                 commit,
                 f"{env.get('device')}, {env.get('threads')} threads, torch {env.get('torch')}",
-                "-" if not load else f"{load[0]:.1f}",
+                " / ".join("-" if not x else f"{x[0]:.1f}" for x in load),
                 ", ".join(sorted(used[r["id"]])),
                 "quick" if r["config"].get("quick") else "full",
-                r.get("source", "this grid"),
+                r.get("source", "this grid") + busy(load, env.get("threads") or 1),
             ]
         )
-    head = ["run", "date", "commit", "machine", "load at start", "grids", "size", "source"]
+    head = ["run", "date", "commit", "machine", "load start / end", "grids", "size", "source"]
     return table(head, rows)
 
 
@@ -318,9 +346,9 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "runs": runs_table,
     "main": main_table,
     "choice": choice_table,
-    "batch-fisher": lambda r: methods_table(r, "batch", "n", "fisher"),
-    "batch-jacnorm": lambda r: methods_table(r, "batch", "n", "jacnorm"),
-    "entries": lambda r: methods_table(r, "entries", "k"),
+    "batch-fisher": lambda r: measured("batch")(methods_table)(r, "batch", "n", "fisher"),
+    "batch-jacnorm": lambda r: measured("batch")(methods_table)(r, "batch", "n", "jacnorm"),
+    "entries": lambda r: measured("entries")(methods_table)(r, "entries", "k"),
     "dense": dense_table,
     "laplace-torch": laplace_torch_table,
     "first-call": first_call_table,
@@ -401,7 +429,8 @@ def plot_sweep(results: dict[str, Any], family: str, param: str, path: Path) -> 
         ax.set_yscale("log")
         ax.set_xlabel("batch size" if param == "N" else "entries")
         ax.set_ylabel(ylab)
-    a1.legend(fontsize=6)
+    if lines:
+        a1.legend(fontsize=6)
     return _save(fig, plt, path)
 
 

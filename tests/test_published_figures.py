@@ -20,9 +20,11 @@ _spec = importlib.util.spec_from_file_location("bench_render", ROOT / "benchmark
 render = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(render)
 
-#: a number with the unit of a measurement (time, memory, a ratio, training steps)
+#: a number or a range of them with the unit of a measurement (time, memory, a ratio,
+#: training steps)
+_NUMBER = r"\d[\d,]*(?:\.\d+)?"
 MEASURED = re.compile(
-    r"(?<![\w.=/-])\d[\d,]*(?:\.\d+)?\s?(?:x\b|s\b|ms\b|MiB|GiB|KiB|MB\b|GB\b|KB\b|"
+    rf"(?<![\w.=/-]){_NUMBER}(?:-{_NUMBER})?\s?(?:x\b|s\b|ms\b|MiB|GiB|KiB|MB\b|GB\b|KB\b|"
     r"(?:training )?steps?\b)"
 )
 
