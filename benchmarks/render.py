@@ -262,7 +262,9 @@ def runs_table(results: dict[str, Any], families: Iterable[str] | None = None) -
     used: dict[int, set[str]] = {}
     for c in results["cells"]:
         if families is None or c.get("family") in families:
-            used.setdefault(c.get("run"), set()).add(c.get("family"))
+            for run in {c.get("run")} | {r.get("run") for r in c.get("methods", {}).values()}:
+                if run is not None:  # a method kept from an earlier run names it
+                    used.setdefault(run, set()).add(c.get("family"))
     rows = []
     for r in results["runs"]:
         if r["id"] not in used:
