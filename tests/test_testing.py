@@ -447,6 +447,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a fresh interpreter that imports torch: seconds
 def test_without_hypothesis_checkers_import_and_strategies_name_the_extra() -> None:
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(NO_HYPOTHESIS)],
