@@ -89,10 +89,6 @@ _VMAP_CHUNK = 32
 _VMAP_BYTES = 256 * 2**20
 #: ``auto`` also times the ``vmap`` route at half its chunk when the chunk is at least this
 _HALF_CHUNK_FROM = 8
-#: ``auto`` also times ``vmap`` at up to this many times its default chunk (where the samples,
-#: :data:`_VMAP_BYTES` and on CPU :data:`~multiscale_jac._memory.CPU_TENSOR_BYTES` allow):
-#: the one growth rule, :data:`~multiscale_jac._tuning.GROWTH`
-_LARGER = GROWTH
 
 
 def jacobian_sq_norm(
@@ -479,8 +475,8 @@ class _Job:
         return routes, needed
 
     def _larger(self, chunk: int, largest: int, left: int) -> int:
-        """The larger chunk ``vmap`` is also timed at: up to :data:`_LARGER` times its
-        default ``chunk`` and the ``left`` samples of the ``largest`` bucket after the other
+        """The larger chunk ``vmap`` is also timed at: up to
+        :data:`~multiscale_jac._tuning.GROWTH` times its default ``chunk`` and the ``left`` samples of the ``largest`` bucket after the other
         routes' chunks, splitting the bucket evenly; within the route's default bytes and on
         CPU :func:`~multiscale_jac._memory.cpu_chunk_cap` (32 samples a chunk ran 1.4x
         slower than 16 on a 3-conv CNN, where a per-sample gradient crossed it); only with
@@ -488,7 +484,7 @@ class _Job:
         chunk_size, budget, dtype = self._sizing
         if chunk_size is not None or budget is not None:
             return chunk
-        most = min(_LARGER * chunk, left, _VMAP_BYTES // max(1, self._row_grads_bytes(dtype)))
+        most = min(GROWTH * chunk, left, _VMAP_BYTES // max(1, self._row_grads_bytes(dtype)))
         most = min(most, self._cpu_cap(JacNormMethod.VMAP, dtype) or most)
         return chunk if most <= chunk else max(chunk, even_chunk(most, largest))
 
