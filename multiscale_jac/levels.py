@@ -77,7 +77,7 @@ class LevelOutputs(list):
         self.reason = reason
 
 
-#: What ``packing="auto"`` runs, per device type (measured in ``benchmarks/bench_multires.py``).
+#: What ``packing="auto"`` runs, per device type (measured with the former ``benchmarks/bench_multires.py``, before c12b9a0).
 AUTO_PACKING: dict[str, str] = {"cpu": "loop"}
 _AUTO_PACKING_OTHER = "canvas"
 
