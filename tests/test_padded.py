@@ -90,10 +90,18 @@ def layers(draw, width: int) -> nn.Module:
         bn.running_mean.uniform_(-1, 1)
         bn.running_var.uniform_(0.5, 2)
         return bn
-    if kind == "gn":
-        return nn.GroupNorm(draw(st.sampled_from([1, width])), width)
-    if kind == "in":
-        return nn.InstanceNorm2d(width, affine=True)
+    if kind in ("gn", "in"):
+        norm = (
+            nn.GroupNorm(draw(st.sampled_from([1, width])), width)
+            if kind == "gn"
+            else nn.InstanceNorm2d(width, affine=True)
+        )
+        # PyTorch's initial bias is 0: a group of two normalised values then sums to 0 up to
+        # rounding, and an average pool followed by a ReLU sits on its kink, where the padded
+        # run and the loop may round to different sides (a tie, not a rule bug).
+        norm.weight.data.uniform_(0.5, 1.5)
+        norm.bias.data.uniform_(-1, 1)
+        return norm
     return draw(st.sampled_from([nn.ReLU(), nn.Tanh(), nn.Sigmoid(), nn.GELU(), nn.LeakyReLU(0.1)]))
 
 
