@@ -8,12 +8,12 @@ environment stamp). This module turns that file into
   cell's per-method table;
 * the report of ``multiscale-jac bench`` (:func:`write_report`: ``report.md``,
   ``results.json``, plots);
-* the blocks of README.md and docs/*.md between ``<!-- figures: NAME from PATH -->`` and
+* the blocks of README.md and the docs pages between ``<!-- figures: NAME from PATH -->`` and
   ``<!-- /figures -->`` (:data:`FIGURES`; :func:`update_pages` rewrites them, :func:`stale_blocks`
   lists those that differ from what their results file renders: the test of the published
   figures).
 
-    python benchmarks/render.py                # rewrite README.md's and docs/*.md's blocks
+    python benchmarks/render.py                # rewrite README.md's and the docs' blocks
     python benchmarks/render.py --check        # exit 1 where a block differs from its file
 
 Only the standard library at module level (matplotlib inside the plots).
@@ -31,7 +31,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "benchmarks/results/grid.json"
-PAGES = ("README.md", "docs/*.md")
+PAGES = ("README.md", "docs/**/*.md")
 BLOCK = re.compile(
     r"(<!-- figures: (?P<name>[\w-]+) from (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- /figures -->)",
     re.S,
@@ -116,15 +116,20 @@ def why_not(r: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------- the family tables
-def main_table(results: dict[str, Any], family: str = "main", notes: bool = False) -> str:
+def main_table(
+    results: dict[str, Any], family: str = "main", notes: bool = False, routes: bool = True
+) -> str:
+    """Per cell: auto and the best other method in training steps; ``routes``: also the best
+    forced route (the benchmark page leaves it to the route-choice table, to fit the column)."""
     head = ["cell", "auto x step", "best other", "other x step", "auto / best other"]
-    head += ["best route", "auto / best route"] + (["note"] if notes else [])
+    head += (["best route", "auto / best route"] if routes else []) + (["note"] if notes else [])
     rows = []
     for c in cells(results, family):
         auto, other = method(c, "library_auto"), method(c, c.get("best_other"))
         row = [c["name"], steps(auto), c.get("best_other") or "-", steps(other)]
-        row += [num(c.get("library_over_best_other")), route(c.get("best_route"))]
-        row.append(num(c.get("auto_over_best_route")))
+        row.append(num(c.get("library_over_best_other")))
+        if routes:
+            row += [route(c.get("best_route")), num(c.get("auto_over_best_route"))]
         if notes:
             problem = c.get("error") or c.get("auto_problem") or c.get("note") or ""
             row.append(str(problem)[:160])
@@ -256,36 +261,59 @@ def busy(load: list[Any], threads: int) -> str:
     )
 
 
-def runs_table(results: dict[str, Any], families: Iterable[str] | None = None) -> str:
-    """Which run measured which cells: its date, commit, machine load, and its source (a run
-    converted from an earlier suite's file says so)."""
+def _runs_used(results: dict[str, Any], families: Iterable[str] | None) -> dict[int, set[str]]:
+    """Run id -> the named grids whose cells (or a method kept from an earlier run) it measured."""
     used: dict[int, set[str]] = {}
     for c in results["cells"]:
         if families is None or c.get("family") in families:
             for run in {c.get("run")} | {r.get("run") for r in c.get("methods", {}).values()}:
                 if run is not None:  # a method kept from an earlier run names it
                     used.setdefault(run, set()).add(c.get("family"))
-    rows = []
-    for r in results["runs"]:
-        if r["id"] not in used:
-            continue
-        env = r["env"]
-        commit = (env.get("git_commit") or "?")[:7] + (" (dirty)" if env.get("git_dirty") else "")
-        load = [env.get(f"load_average_at_{k}") for k in ("start", "end")]
-        rows.append(
-            [
-                r["id"],
-                env.get("date_utc", "?")[:10],
-                commit,
-                f"{env.get('device')}, {env.get('threads')} threads, torch {env.get('torch')}",
-                " / ".join("-" if not x else f"{x[0]:.1f}" for x in load),
-                ", ".join(sorted(used[r["id"]])),
-                "quick" if r["config"].get("quick") else "full",
-                r.get("source", "this grid") + busy(load, env.get("threads") or 1),
-            ]
-        )
+    return used
+
+
+def _run_facts(r: dict[str, Any], grids: set[str]) -> dict[str, str]:
+    env = r["env"]
+    load = [env.get(f"load_average_at_{k}") for k in ("start", "end")]
+    return {
+        "run": str(r["id"]),
+        "date": env.get("date_utc", "?")[:10],
+        "commit": (env.get("git_commit") or "?")[:7] + (" (dirty)" if env.get("git_dirty") else ""),
+        "machine": f"{env.get('device')}, {env.get('threads')} threads, torch {env.get('torch')}",
+        "load": " / ".join("-" if not x else f"{x[0]:.1f}" for x in load),
+        "grids": ", ".join(sorted(grids)),
+        "size": "quick" if r["config"].get("quick") else "full",
+        "source": r.get("source", "this grid") + busy(load, env.get("threads") or 1),
+    }
+
+
+def runs_table(results: dict[str, Any], families: Iterable[str] | None = None) -> str:
+    """Which run measured which cells: its date, commit, machine load, and its source (a run
+    converted from an earlier suite's file says so)."""
+    used = _runs_used(results, families)
+    keys = ["run", "date", "commit", "machine", "load", "grids", "size", "source"]
+    rows = [
+        [_run_facts(r, used[r["id"]])[k] for k in keys] for r in results["runs"] if r["id"] in used
+    ]
     head = ["run", "date", "commit", "machine", "load start / end", "grids", "size", "source"]
     return table(head, rows)
+
+
+def runs_page(results: dict[str, Any]) -> str:
+    """The benchmark page's runs: :func:`runs_table` narrowed to the page's column. The machine
+    is a sentence where every run had the same one, and each run's source (often a long line)
+    is a list item under the table."""
+    used = _runs_used(results, None)
+    facts = [_run_facts(r, used[r["id"]]) for r in results["runs"] if r["id"] in used]
+    machines = sorted({f["machine"] for f in facts})
+    keys = ["run", "date", "commit"] + (["machine"] if len(machines) > 1 else [])
+    keys += ["load", "grids", "size"]
+    heads = {"load": "load start / end"}
+    out = [table([heads.get(k, k) for k in keys], [[f[k] for k in keys] for f in facts])]
+    if len(machines) == 1:
+        out.append(f"Every run: {machines[0]}.")
+    out.append("\n".join(f"- Run {f['run']}: {f['source'].rstrip('.')}." for f in facts))
+    return "\n\n".join(out)
 
 
 def readme_table(results: dict[str, Any]) -> str:
@@ -342,11 +370,89 @@ def readme_table(results: dict[str, Any]) -> str:
     return table(head, rows)
 
 
+#: how the pages name the benchmark grid's models
+MODELS = {
+    "vgg11_bn_q": "VGG-11-BN at quarter width",
+    "resnet8": "ResNet-8",
+    "cnn3": "the 3-conv CNN",
+    "cnn8": "the 8-layer CNN",
+}
+
+
+def _and(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def guide_figures(results: dict[str, Any], workload: str, models: Iterable[str], what: str) -> str:
+    """A guide's sentence: ``what`` in training steps per model (the main grid's cell, an idle
+    run) and its peak memory against a training step's (the batch grid's cell at the same batch
+    size), each with its run, as README.md's table takes them."""
+    took, memory, runs, machine, batch = [], [], [set(), set()], "", None
+    for m in models:
+        main = cell(results, "main", f"{workload}/{m}")
+        auto = method(main, "library_auto")
+        if "seconds" not in auto:
+            continue
+        name, batch = MODELS.get(m, m), main.get("N")
+        took.append(f"{steps(auto)}{' training steps' if not took else ''} on {name}")
+        runs[0].add(main["run"])
+        env = next(r["env"] for r in results["runs"] if r["id"] == main["run"])
+        machine = f"{env.get('device')}, {env.get('threads')} threads"
+        other = cell(results, "batch", f"{workload}/{m}@n={batch}")
+        ratio = method(other, "library_auto").get("memory_ratio_to_train_step")
+        if ratio:
+            unit = "x" if memory else "x a training step's"
+            memory.append(f"{num(ratio)}{unit} on {name}")
+            runs[1].add(other["run"])
+    if not took:
+        return f"No cell of `--grid main` has measured `{workload}` yet."
+
+    def of(ids: set[int]) -> str:
+        return ("run " if len(ids) == 1 else "runs ") + ", ".join(map(str, sorted(ids)))
+
+    text = f"Measured ({machine}, {batch} samples): {what} took {_and(took)} ({of(runs[0])})"
+    if memory:
+        text += f", with a peak memory of {_and(memory)} ({of(runs[1])})"
+    return text + "; the runs are listed on [the benchmark page](benchmarks.md#runs)."
+
+
+def laplace_diag_table(results: dict[str, Any]) -> str:
+    """``bench_laplace_diag.json`` (the former ``bench_laplace.py --diag``): seconds and
+    training steps against the mean of a training step timed before and after."""
+    rows = [["training step (mean of before and after)", secs(results["train_step_seconds"])]]
+    rows[0].append(num(1.0))
+    for name, r in results["methods"].items():
+        if name != "train_step":
+            rows.append([f"`{name}`", secs(r["seconds"]), steps(r)])
+    return table(["method", "s", "x step"], rows)
+
+
+def packing_table(results: dict[str, Any]) -> str:
+    """``bench_multires.json``'s ``map_levels`` part (the former ``bench_multires.py``): the
+    work and the times of each packing; stacking every level is computed, not run."""
+    m = results["map_levels"]
+    work, times = m["work_ratio"], m["packings"]
+    names = {
+        "canvas": "canvas (gutter 2)",
+        "loop": "per-level loop",
+        "stack_padded_to_largest": "stack every level padded to the largest (computed, not run)",
+    }
+    rows = []
+    for key, label in names.items():
+        t = times.get(key, {})
+        rows.append(
+            [label, num(work.get(key))]
+            + [secs(t.get(k)) for k in ("forward", "train_step", "jacobian")]
+        )
+    head = ["packing", "work / useful", "forward s", "training step s", "per-sample Jacobian s"]
+    return table(head, rows)
+
+
 #: the published blocks: name -> markdown from the results
 FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "readme": readme_table,
-    "runs": runs_table,
-    "main": main_table,
+    "runs": runs_page,
+    "main": lambda r: main_table(r, routes=False),
     "choice": choice_table,
     "batch-fisher": lambda r: measured("batch")(methods_table)(r, "batch", "n", "fisher"),
     "batch-jacnorm": lambda r: measured("batch")(methods_table)(r, "batch", "n", "jacnorm"),
@@ -354,6 +460,14 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "dense": dense_table,
     "laplace-torch": laplace_torch_table,
     "first-call": first_call_table,
+    "guide-fisher": lambda r: guide_figures(
+        r, "fisher", ("vgg11_bn_q", "resnet8"), "`diag_fisher`"
+    ),
+    "guide-jacnorm": lambda r: guide_figures(
+        r, "jacnorm", ("cnn3", "cnn8"), "the value and its gradient"
+    ),
+    "laplace-diag": laplace_diag_table,
+    "packing": packing_table,
 }
 #: the report's section per named grid
 SECTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -499,6 +613,13 @@ def write_outputs(results: dict[str, Any], out: Path, stem: str) -> int:
     return 0
 
 
+def report_text(results: dict[str, Any], images: list[Path] = ()) -> str:
+    """The text of the report's ``report.md`` (docs/report/report.md is this, whole)."""
+    return render_all(results, images).replace(
+        "# Benchmark grid", "# multiscale_jac benchmark report", 1
+    )
+
+
 def write_report(results: dict[str, Any], out: Path) -> None:
     """``multiscale-jac bench``'s report: ``report.md``, ``results.json`` and the plots."""
     out.mkdir(parents=True, exist_ok=True)
@@ -506,10 +627,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         old.unlink()
     images = plots(results, out, "grid")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    text = render_all(results, images).replace(
-        "# Benchmark grid", "# multiscale_jac benchmark report", 1
-    )
-    (out / "report.md").write_text(text)
+    (out / "report.md").write_text(report_text(results, images))
     print(f"wrote {out / 'report.md'} and {out / 'results.json'}")
 
 
@@ -535,7 +653,13 @@ def stale_blocks(root: Path = ROOT) -> list[str]:
             where = f"{page.relative_to(root)}: {name} from {path}"
             if name not in FIGURES or not (root / path).exists():
                 bad.append(where + " (no such figure or results file)")
-            elif m["body"] != _render_block(name, path, root, cache):
+                continue
+            try:
+                rendered = _render_block(name, path, root, cache)
+            except (KeyError, TypeError, ValueError, StopIteration) as err:  # another file's shape
+                bad.append(where + f" (cannot render it from that file: {err!r})")
+                continue
+            if m["body"] != rendered:
                 bad.append(where)
     return bad
 

@@ -41,8 +41,7 @@ _WIDE_LANGUAGES = {"text"}
 _WIDE_PAGES = {
     # shows the example scripts themselves (--8<--), formatted at the repository's 100 columns
     "examples.md": "the example scripts, included",
-    # the benchmark pages are written with the benchmark results (benchmarks/)
-    "benchmarks.md": "written with the benchmark results",
+    # written whole by benchmarks/render.py from its results file (no code blocks today)
     "report/report.md": "written by multiscale-jac bench",
 }
 
