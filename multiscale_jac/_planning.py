@@ -111,13 +111,18 @@ _UNMEASURED = Footprint(0, 0, 0)
 def measure(
     fn: PerSampleFunction, values: tuple[Tensor, ...], levels: tuple[Tensor, ...]
 ) -> Footprint:
-    """Run one sample forward with autograd on and record saved-tensor sizes and ``O``."""
+    """Run one sample forward with autograd on and record saved-tensor sizes and ``O``: per
+    sample, so not the model's parameters and buffers a layer saves (a linear layer its
+    weight), which every sample of a vectorised call shares."""
     COUNTS["measure"] += 1
     seen: dict[int, int] = {}
+    shared = {t.untyped_storage().data_ptr() for t in _model_tensors(fn)}
 
     def pack_hook(t: Tensor) -> Tensor:
         try:
             storage = t.untyped_storage()
+            if storage.data_ptr() in shared:
+                return t
             seen[storage.data_ptr()] = storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without plain storage
             seen[id(t)] = tensor_bytes(t.numel(), t.element_size())
@@ -129,6 +134,17 @@ def measure(
     return Footprint(
         sum(seen.values()), max(seen.values(), default=0), int(out.numel()), graph_depth(out)
     )
+
+
+def _model_tensors(fn: Any) -> list[Tensor]:
+    """The parameters and buffers of the model under ``fn`` (a per-sample function, or a
+    wrapper of one: masked, structured)."""
+    while not hasattr(fn, "model") and hasattr(fn, "fn"):
+        fn = fn.fn
+    model = getattr(fn, "model", None)
+    if model is None:
+        return []
+    return [*model.parameters(), *model.buffers()]
 
 
 def graph_depth(out: Tensor) -> int:
@@ -189,12 +205,13 @@ def plan_chunks(
         target = DEFAULT_WORKSET_BYTES.get(device.type, DEFAULT_WORKSET_BYTES["cuda"])
         n = chunk_size or max(1, target // max(full, 1))
         return Plan(min(n, bucket_size), None)
+    full = engine_sample(fp, rev, numel, itemsize, full_inner, per_step, bound=True)
     n = chunk_size or max(1, available // max(full, 1))
     n = min(n, bucket_size)
     if n * full <= available:
         return Plan(n, None)
-    one = engine_sample(fp, rev, numel, itemsize, 1, per_step)
-    step = one - engine_sample(fp, rev, numel, itemsize, 0, per_step)
+    one = engine_sample(fp, rev, numel, itemsize, 1, per_step, bound=True)
+    step = one - engine_sample(fp, rev, numel, itemsize, 0, per_step, bound=True)
     inner = (available // n - (one - step)) // max(step, 1)
     if inner < 1:  # the caller checks the minimum first
         raise ValueError(f"memory_budget too small for {n} sample(s) with one row/tangent each")
@@ -394,11 +411,14 @@ def plan_strategy(
     """
     measured, sizes = _measure_groups(fn, packed, strategy)
     mode, structured, costs = _pick_mode(fn, measured, sizes, strategy, options, notes)
+    rev_fn = StructuredFunction(fn, structured) if mode is Mode.REV and structured else fn
+    bound = options.memory_budget is not None
+    if bound:
+        measured = _bounded_footprints(rev_fn, measured, packed)
     spans = tangent_groups(fn.subset, mode, options.randomness)
-    steps = _steps(fn, measured, mode, spans, structured, costs)
+    steps = _steps(fn, measured, mode, spans, structured, costs, bound)
     available = _available(fn, measured, sizes, mode, steps, options)
     like = fn.values()[0]
-    rev_fn = StructuredFunction(fn, structured) if mode is Mode.REV and structured else fn
     groups = [
         dataclasses.replace(
             m,
@@ -435,6 +455,34 @@ def _measure_groups(
             sizes[i] = fp.outputs
         measured.append(dataclasses.replace(g, footprint=fp))
     return measured, sizes
+
+
+def _bounded_footprints(rev_fn: Any, measured: list[Group], packed: PackedBatch) -> list[Group]:
+    """Under a ``memory_budget``: the footprints of a structured reverse route measured on the
+    structured forward itself, which saves its layers' unfolded inputs besides the plain
+    forward's tensors (a 3x3 conv's unfold: nine times its input). Padded groups, and routes
+    with nothing structured, keep theirs."""
+    if not isinstance(rev_fn, StructuredFunction):
+        return measured
+    values = rev_fn.fn.values()
+    return [
+        m
+        if m.fn is not rev_fn.fn
+        else dataclasses.replace(
+            m,
+            footprint=_largest(
+                m.footprint,
+                measure(rev_fn, values, tuple(lv[0] for lv in packed.stack(m.indices[:1]))),
+            ),
+        )
+        for m in measured
+    ]
+
+
+def _largest(a: Footprint, b: Footprint) -> Footprint:
+    return Footprint(
+        max(a.activations, b.activations), max(a.largest, b.largest), a.outputs, a.depth
+    )
 
 
 def _bare_groups(fn: PerSampleFunction, packed: PackedBatch, strategy: Strategy) -> list[Group]:
@@ -517,10 +565,12 @@ def _steps(
     spans: list[tuple[int, int]],
     structured: tuple[str, ...],
     costs: dict[str, EntryCost],
+    bound: bool,
 ) -> list[tuple[int, int | None]]:
     """``(columns, bytes)`` of what one vectorised step holds: rev, one output row of all P
-    columns; fwd, one tangent of one span (measured by the survey where it ran, else ``None``:
-    the footprint estimate)."""
+    columns (``bound``: under a ``memory_budget``, :func:`~multiscale_jac._memory.engine_rev_step`);
+    fwd, one tangent of one span (measured by the survey where it ran, else ``None``: the
+    footprint estimate)."""
     itemsize = fn.values()[0].element_size()
     if mode is Mode.REV:
         # each row's backward also holds the full gradient of every generic selected tensor
@@ -529,8 +579,13 @@ def _steps(
             for name in fn.subset.names
             if name not in structured and fn.subset.indices[name] is not None
         )
-        largest = max(m.footprint.largest for m in measured)
-        return [(fn.subset.numel, engine_rev_step(largest, fn.subset.numel, dense, itemsize))]
+        fp = Footprint(
+            max(m.footprint.activations for m in measured),
+            max(m.footprint.largest for m in measured),
+            max(m.footprint.outputs for m in measured),
+        )
+        step = engine_rev_step(fp, fn.subset.numel, dense, itemsize, bound)
+        return [(fn.subset.numel, step)]
     steps: list[tuple[int, int | None]] = []
     for lo, hi in spans:
         name = span_tensor(fn.subset, (lo, hi))
@@ -588,7 +643,7 @@ def _least(
     result_bytes = engine_result(len(sizes), max(sizes), numel, itemsize)
     need = max(
         min(chunk_size or 1, len(m.indices))
-        * engine_sample(m.footprint, mode is Mode.REV, width, itemsize, 1, per_step)
+        * engine_sample(m.footprint, mode is Mode.REV, width, itemsize, 1, per_step, bound=True)
         for m in measured
         for width, per_step in steps
     )
@@ -603,8 +658,10 @@ def engine_minimum(
     running it."""
     measured, sizes = _measure_groups(fn, packed, strategy)
     mode, structured, costs = _pick_mode(fn, measured, sizes, strategy, options, [])
+    rev_fn = StructuredFunction(fn, structured) if mode is Mode.REV and structured else fn
+    measured = _bounded_footprints(rev_fn, measured, packed)
     spans = tangent_groups(fn.subset, mode, options.randomness)
-    steps = _steps(fn, measured, mode, spans, structured, costs)
+    steps = _steps(fn, measured, mode, spans, structured, costs, True)
     return sum(_least(fn, measured, sizes, mode, steps, options.chunk_size))
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import CASE_BY_ID
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import multiscale_jac as mj
 from multiscale_jac import _planning
@@ -65,3 +70,119 @@ def test_laplace_states_its_minimum_without_running_the_engine(monkeypatch) -> N
     la.fit([(x, y)])
     ref = mj.SubnetLaplace(model, "classification", subset).fit([(x, y)])
     torch.testing.assert_close(la.H, ref.H, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- the budget holds
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among the storages made inside the
+    mode (every op's outputs, tracked until freed): what a call allocates, not what existed
+    before it (the model, the inputs). Blind to a kernel's own scratch memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.now -= self.live.pop(key)[1]
+        inputs = {  # a view's output shares its input's storage: allocated before, or counted
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live and key not in inputs:
+                    self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                    self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+class ResidualBN(nn.Module):
+    """A residual block with BatchNorm: its vmapped backward holds several cotangents a row
+    (the skip's waits for the body; BatchNorm's batching rule copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.body = nn.Sequential(
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+        )  # fmt: skip
+        self.head = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = torch.relu(x + self.body(x))
+        return self.head(F.adaptive_avg_pool2d(y, 4).flatten(1))
+
+
+def _budget_models() -> dict[str, tuple[nn.Module, torch.Tensor]]:
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(8 * 4 * 4, 5),
+    )  # fmt: skip
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 5))
+    return {
+        "cnn": (cnn.eval(), torch.randn(7, 3, 16, 16)),
+        "residual_bn": (ResidualBN().eval(), torch.randn(7, 3, 16, 16)),
+        "mlp": (mlp.eval(), torch.randn(7, 64)),
+    }
+
+
+@pytest.mark.parametrize("name", ["cnn", "residual_bn", "mlp"])
+@pytest.mark.parametrize("times", [1, 2, 4])
+def test_the_engine_allocates_at_most_its_budget(name: str, times: int) -> None:
+    """Reverse mode under ``memory_budget``: the tensors a call allocates (its result
+    included) never exceed the budget, from the minimum up; the minimum is stated by the
+    memory model, so an undercounted step (a residual block's backward holds more than two
+    layers' cotangents a row) fails here."""
+    model, x = _budget_models()[name]
+    kwargs = dict(mode="rev", strategy="vmap", entries="generic", tune=False)
+    with pytest.raises(MemoryBudgetError) as err:
+        mj.per_sample_jacobian(model, x, memory_budget=1, **kwargs)
+    budget = times * err.value.minimum
+    mj.per_sample_jacobian(model, x[:1], **kwargs)  # one-time allocations outside the count
+    with LiveBytes() as live:
+        res = mj.per_sample_jacobian(model, x, memory_budget=budget, **kwargs)
+    assert res.jacobian.shape[0] == 7
+    assert live.peak <= budget, f"{live.peak} bytes allocated under a budget of {budget}"
+
+
+@pytest.mark.parametrize(
+    "times",
+    [
+        pytest.param(
+            1,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known gap: at exactly the minimum, planning's structured survey (one "
+                "structured forward per selected tensor: a conv's unfolded input, 57 kB on the "
+                "2-conv CNN) is not in the memory model",
+            ),
+        ),
+        2,
+        4,
+    ],
+)
+@pytest.mark.parametrize("name", ["cnn", "residual_bn"])
+def test_a_laplace_fit_allocates_at_most_its_budget(name: str, times: int) -> None:
+    """A ``SubnetLaplace`` fit under ``memory_budget``: the tensors it allocates (posterior,
+    Jacobian rows, the engine's working set, planning's passes) stay under the budget."""
+    model, x = _budget_models()[name]
+    y = torch.randint(0, 5, (x.shape[0],))
+    subset = mj.ParamSubset.largest_magnitude(model, 30)
+    with pytest.raises(MemoryBudgetError) as err:
+        mj.SubnetLaplace(model, "classification", subset, memory_budget=1).fit([(x, y)])
+    budget = times * err.value.minimum
+    la = mj.SubnetLaplace(model, "classification", subset, memory_budget=budget)
+    with LiveBytes() as live:
+        la.fit([(x, y)])
+    assert live.peak <= budget, f"{live.peak} bytes allocated under a budget of {budget}"
