@@ -1747,9 +1747,14 @@ def grid(args: argparse.Namespace) -> list[tuple[str, Spot]]:
     """``(family, spot)`` of the named grids in ``--grid``, filtered by ``--workloads``,
     ``--models`` and ``--cells`` (cell names, ``workload/model[@n=..,k=..]``)."""
     names = list(FAMILIES) if "all" in args.grid else args.grid
+    # the main cells time auto and every forced route: the choice grid's cells among them are
+    # not run twice (its table renders from the main cells, render.choice_table)
+    timed = {s.name for s in FAMILIES["main"][1](args.quick)} if "main" in names else set()
     out = []
     for fam in names:
         for s in FAMILIES[fam][1](args.quick):
+            if fam == "choice" and s.name in timed:
+                continue
             if args.workloads and s.workload not in args.workloads:
                 continue
             if (args.models and s.model not in args.models) or (
@@ -1844,9 +1849,23 @@ def summarise(cell: dict[str, Any]) -> None:
     cell["note"] = slow_note(cell)
 
 
-def run_cell(spot: Spot, args: argparse.Namespace, deadline: float | None) -> dict[str, Any]:
+#: ``--quick`` without ``--memory``: peak memory where it is the grid's subject, none elsewhere
+#: (every memory figure is a fresh process: four a cell took half the quick grid's time)
+QUICK_MEMORY = {"batch": "main", "entries": "main"}
+
+
+def memory_of(args: argparse.Namespace, family: str) -> str:
+    """The ``--memory`` setting for a cell of ``family``."""
+    if args.memory:
+        return args.memory
+    return QUICK_MEMORY.get(family, "none") if args.quick else "all"
+
+
+def run_cell(
+    spot: Spot, args: argparse.Namespace, deadline: float | None, memory: str = "all"
+) -> dict[str, Any]:
     """Every method of a cell timed in one fresh worker, then peak memory per method (a fresh
-    worker each: ``--memory``)."""
+    worker each: ``memory``, :func:`memory_of`)."""
     name, w, m = spot.name, spot.workload, spot.model
     log(f"== {name}: timing all methods in one worker ...")
     t0 = time.perf_counter()
@@ -1863,10 +1882,8 @@ def run_cell(spot: Spot, args: argparse.Namespace, deadline: float | None) -> di
     summarise(rec)
     ms = rec["methods"]
     keep = {"train_step", "library_auto", rec.get("best_other"), rec.get("best_route")}
-    for method in [
-        n for n, r in ms.items() if "seconds" in r and (args.memory == "all" or n in keep)
-    ]:
-        if args.memory == "none" or (deadline is not None and time.time() > deadline):
+    for method in [n for n, r in ms.items() if "seconds" in r and (memory == "all" or n in keep)]:
+        if memory == "none" or (deadline is not None and time.time() > deadline):
             break
         mem = run_worker(
             [str(SCRIPT), *args.argv, "--worker-mem", name, method], timeout_s=args.timeout
@@ -2058,7 +2075,11 @@ def main(args: argparse.Namespace) -> int:
         if deadline is not None and time.time() > deadline:
             log(f"{fam}:{spot.name}: not run (--budget spent)")
             continue
-        rec = run_roles(spot, args) if spot.roles else run_cell(spot, args, deadline)
+        rec = (
+            run_roles(spot, args)
+            if spot.roles
+            else run_cell(spot, args, deadline, memory_of(args, fam))
+        )
         merge(results, {"family": fam, "run": run_id, **rec})
         write_json(path, results)
     run["env"]["load_average_at_end"] = load_average()
@@ -2174,8 +2195,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add(
         "--memory",
         choices=("all", "main", "none"),
-        help="peak memory per method in a fresh process: all (default), main (quick's default: "
-        "train step, auto, best other, best route) or none",
+        help="peak memory per method in a fresh process: all (default), main (train step, "
+        "auto, best other, best route; quick's default for the batch and entries grids) or "
+        "none (quick's default elsewhere)",
     )
     add("--check-tol", type=float, default=1e-9, help="float64 relative tolerance (1e-9)")
     add("--f32-tol", type=float, default=1e-3, help="float32 relative tolerance vs the first peer")
@@ -2204,7 +2226,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.method_limit = args.method_limit or (10.0 if args.quick else 40.0)
     args.check_limit = args.check_limit or (5.0 if args.quick else 30.0)
     args.rounds = (3 if args.quick else 5) if args.rounds is None else args.rounds
-    args.memory = args.memory or ("main" if args.quick else "all")
     return args
 
 
