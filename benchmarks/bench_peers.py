@@ -1964,22 +1964,47 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+ROLES = ("library", "user", "estimate", "loaded")
+#: a first-call role's figures that are medians over the rounds
+ROLE_MEDIANS = ("first_seconds", "warm_seconds", "peak_memory_bytes")
+
+
+def _median_role(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One role over its rounds: the round of the median first call, with the median of each
+    figure (:data:`ROLE_MEDIANS`) and every round's figures under ``rounds``."""
+    ok = [r for r in runs if r.get("first_seconds") is not None]
+    if not ok:
+        return runs[-1]
+    ok.sort(key=lambda r: r["first_seconds"])
+    out = dict(ok[len(ok) // 2])
+    for k in ROLE_MEDIANS:
+        values = [r[k] for r in ok if r.get(k) is not None]
+        if values:
+            out[k] = median(values)
+    out["rounds"] = [{k: r.get(k) for k in (*ROLE_MEDIANS, "error")} for r in runs]
+    return out
+
+
 def run_roles(spot: Spot, args: argparse.Namespace) -> dict[str, Any]:
     """A first-call cell: the roles ``library`` (auto's first and warm calls, then its decisions
     saved), ``user`` (the code a user would write), ``estimate`` (``tune=False``) and ``loaded``
     (``multiscale_jac.tuning.load`` of the library's decisions, then the first call), each in a
-    fresh process; the ratios against their targets (issue 27)."""
-    log(f"== {spot.name}: first calls, a fresh process per role ...")
+    fresh process, ``--repeats`` interleaved rounds (each role's figures their medians: one
+    first call is one sample of a noisy quantity); the ratios against their targets (issue
+    27)."""
+    log(f"== {spot.name}: first calls, a fresh process per role, {args.repeats} rounds ...")
     rec: dict[str, Any] = {"name": spot.name, "workload": spot.workload, "model": spot.model}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "decisions.json")
-        for role in ("library", "user", "estimate", "loaded"):
-            cmd = [str(SCRIPT), *args.argv, "--worker-role", spot.name, role, path]
-            rec[role] = r = run_worker(cmd, timeout_s=args.timeout, env=malloc_fixed(args))
-            log(
-                f"   {role}: "
-                + str({k: r.get(k) for k in ("first_seconds", "warm_seconds", "error")})
-            )
+    runs: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
+    for _ in range(args.repeats):  # interleaved: a round runs every role once
+        with tempfile.TemporaryDirectory() as tmp:
+            path = str(Path(tmp) / "decisions.json")
+            for role in ROLES:
+                cmd = [str(SCRIPT), *args.argv, "--worker-role", spot.name, role, path]
+                r = run_worker(cmd, timeout_s=args.timeout, env=malloc_fixed(args))
+                runs[role].append(r)
+                log(f"   {role}: " + str({k: r.get(k) for k in (*ROLE_MEDIANS[:2], "error")}))
+    for role in ROLES:
+        rec[role] = _median_role(runs[role])
     lib, user, est, loaded = (rec[r] for r in ("library", "user", "estimate", "loaded"))
     one_time = None
     if user.get("first_seconds") is not None and user.get("warm_seconds") is not None:
@@ -2094,7 +2119,7 @@ def main(args: argparse.Namespace) -> int:
 CONFIG_KEYS = (
     *("grid", "quick", "device", "threads", "min_run_time", "method_limit", "limit_steps"),
     "max_gb",
-    *("memory", "check_tol", "f32_tol", "seed", "malloc", "rounds"),
+    *("memory", "check_tol", "f32_tol", "seed", "malloc", "rounds", "repeats"),
 )
 
 
@@ -2205,6 +2230,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--budget", type=float, default=0.0, help="seconds; start no new cell after (0: none)")
     add("--timeout", type=float, default=1200.0, help="seconds per worker process")
     add("--rounds", type=int, help="interleaved rounds of the contenders (5, quick 3; 0: none)")
+    add(
+        "--repeats",
+        type=int,
+        help="first_call: interleaved rounds of the fresh-process roles, medians (3, quick 1)",
+    )
     add("--rounds-budget", type=float, default=60.0, help="seconds for the rounds at most (60)")
     add(
         "--malloc",
@@ -2226,6 +2256,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.method_limit = args.method_limit or (10.0 if args.quick else 40.0)
     args.check_limit = args.check_limit or (5.0 if args.quick else 30.0)
     args.rounds = (3 if args.quick else 5) if args.rounds is None else args.rounds
+    args.repeats = (1 if args.quick else 3) if args.repeats is None else args.repeats
     return args
 
 
