@@ -23,9 +23,10 @@ The rules (one meaning everywhere):
 - **Pays**: ``tune="auto"`` measures on a call only where the estimated cost of measuring
   (the candidates' extra time over the estimate's choice, their warm-ups included; timed
   work that counts towards the result costs only its difference) is at most :data:`PAYS` of
-  the call's estimated work, or where the same call (same key) ran before without measuring:
-  a user who repeats a call has at least one more call of work left, and the measured choice
-  serves every later one (:func:`decide`). A one-shot call runs the estimate's choice.
+  the call's estimated work, or where the same decision (same key) was deferred in an earlier
+  public call (:func:`one_call`): a user who repeats a call has at least one more call of
+  work left, and the measured choice serves every later one (:func:`decide`). A one-shot
+  call runs the estimate's choice, however often its chunks or buckets meet that decision.
 - **Growth**: nothing timed holds more than :data:`GROWTH` times the working set of the
   estimate's choice: larger calls or chunks are tried up to that many times the planned size;
   under a ``memory_budget`` nothing is timed at all (the budget is a promise, a candidate's
@@ -49,6 +50,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import functools
 import gc
 import hashlib
 import os
@@ -76,11 +78,15 @@ __all__ = [
     "TIE",
     "DecisionCache",
     "auto_measures",
+    "call_scope",
     "clear",
     "decide",
+    "defer",
+    "deferred_before",
     "deferred_note",
     "environment",
     "load",
+    "one_call",
     "pick",
     "portable_key",
     "register_types",
@@ -174,6 +180,8 @@ def time_candidates(
     warm_up: Callable[[K], float | None] | None = None,
     skip: Callable[[K, float, dict[K, float]], bool] | None = None,
     retime: float = RETIME,
+    units: float | None = None,
+    on_stop: Callable[[], None] | None = None,
 ) -> dict[K, float]:
     """Time ``candidates`` by the rules of this module: for each, its warm-up (``warm_up(k)``,
     timed; default: one untimed ``run(k)``), unless ``skip(k, warm-up seconds per unit, times
@@ -189,21 +197,52 @@ def time_candidates(
         warm_up: A candidate's warm-up, returning units as ``run``; default ``run``.
         skip: Whether to leave a candidate out after its warm-up.
         retime: Candidates within this factor of the fastest are timed once more.
+        units: The job's units, where measuring was decided on an estimate of its work: the
+            rule **pays** then also holds as measured (the cost model misjudged a Laplace
+            fit's work 10-60x): once the seconds spent beyond the units done at the fastest
+            rate so far exceed :data:`PAYS` of the job at that rate, nothing more is timed
+            and ``on_stop()`` is called (the caller defers: :func:`defer`).
 
     Returns:
         Seconds per unit of each candidate timed (failed or skipped ones are absent).
     """
     devices = list(devices)
     times: dict[K, float] = {}
+    spent = [0.0, 0.0]  # seconds and units of every run so far
+
+    def counted(fn: Callable[[K], float | None]) -> Callable[[K], float | None]:
+        def one(k: K) -> float | None:
+            with stopwatch(devices) as elapsed:
+                done = fn(k)
+            spent[0] += elapsed[0]
+            spent[1] += done or 0.0
+            return done
+
+        return one
+
+    def paid() -> bool:  # measuring so far costs more than it can save
+        best = min(times.values(), default=None)
+        if units is None or best is None:
+            return False  # (runs past the job's units, samples run twice, are not work done)
+        if spent[0] - min(spent[1], units) * best <= PAYS * best * units:
+            return False
+        if on_stop is not None:
+            on_stop()
+        return True
+
     for k in candidates:
-        warm = _time_one(k, warm_up or run, devices)
+        if paid():
+            return times
+        warm = _time_one(k, counted(warm_up or run), devices)
         if warm is None or (skip is not None and skip(k, warm, times)):
             continue
         COUNTS["probe"] += 1
-        t = _time_one(k, run, devices)
+        t = _time_one(k, counted(run), devices)
         if t is not None:
             times[k] = t
     best = min(times.values(), default=0.0)
+    if paid():
+        return times
     for k in [k for k, t in times.items() if t <= retime * best]:
         COUNTS["probe"] += 1
         t = _time_one(k, run, devices)
@@ -318,19 +357,70 @@ KERNEL_CACHE = DecisionCache("kernels", maxsize=1024)
 DEFERRED = DecisionCache("deferred", maxsize=1024, portable=False)
 
 
+#: the public call now running (:func:`one_call`): its number and how deeply it is nested
+_CALL = [0, 0]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def call_scope() -> Iterator[None]:
+    """One public call, however many times it meets the same decision inside (a Laplace fit's
+    chunks, the buckets of a ragged batch): what it defers is measured in a later call."""
+    if _CALL[1] == 0:
+        _CALL[0] += 1
+    _CALL[1] += 1
+    try:
+        yield
+    finally:
+        _CALL[1] -= 1
+
+
+def one_call(fn: F) -> F:
+    """Marks a public entry point: it runs under :func:`call_scope`."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with call_scope():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def _this_call() -> object:
+    """The running public call's number (outside one: a fresh object, each decision its own
+    call)."""
+    return _CALL[0] if _CALL[1] else object()
+
+
 def decide(tune: Tune, owner: Any, key: Any, *, extra: float, work: float) -> str:
     """Whether a call measures: ``"measure"``, ``"estimate"`` (the cost model alone) or
     ``"defer"`` (``tune="auto"``: measuring would cost more than :data:`PAYS` of the call's
-    work; the call runs the estimate's choice, and the same call (``owner``, ``key``) met
-    again measures). ``extra`` and ``work`` in any one unit (seconds or samples)."""
+    work; the call runs the estimate's choice, and the same decision (``owner``, ``key``) met
+    again in a later public call (:func:`one_call`) measures: met again within the same call,
+    a Laplace fit's next chunk, it still runs the estimate, as the call's work was counted
+    once). ``extra`` and ``work`` in any one unit (seconds or samples)."""
     if tune is Tune.MEASURE:
         return "measure"
     if tune is Tune.ESTIMATE or not auto_measures():
         return "estimate"
-    if extra <= PAYS * work or DEFERRED.get(owner, key) is not None:
+    if extra <= PAYS * work:
         return "measure"
-    DEFERRED.put(owner, key, True)
+    if deferred_before(owner, key):
+        return "measure"
+    defer(owner, key)
     return "defer"
+
+
+def deferred_before(owner: Any, key: Any) -> bool:
+    """Whether the decision (``owner``, ``key``) was deferred in an earlier public call."""
+    before = DEFERRED.get(owner, key)
+    return before is not None and before != _this_call()
+
+
+def defer(owner: Any, key: Any) -> None:
+    """Record the decision (``owner``, ``key``) as deferred in this call: a later public call
+    measures it (also where timing stopped because it did not pay as measured)."""
+    DEFERRED.put(owner, key, _this_call())
 
 
 def deferred_note(extra: float, work: float) -> str:

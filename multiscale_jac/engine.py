@@ -51,10 +51,14 @@ from ._planning import (
 from ._tuning import (
     COUNTS,
     GROWTH,
+    PAYS,
     PLAN_CACHE,
     auto_measures,
     decide,
+    defer,
+    deferred_before,
     deferred_note,
+    one_call,
     pick,
     seconds,
     time_candidates,
@@ -127,6 +131,7 @@ def clear_plan_cache() -> None:
     clear_decisions()
 
 
+@one_call
 def per_sample_jacobian(
     model: nn.Module,
     inputs: Any,
@@ -338,6 +343,11 @@ class _RouteTiming:
             return ran, plan
         extra, work = self.timing_cost(first, trial, estimates, largest)
         verdict = decide(o.tune, self.fn.model, self.key, extra=extra, work=work)
+        # measured because the estimate said it pays (not asked for, not deferred before):
+        # the timing also stops where it does not pay as measured (time_candidates' units),
+        # and then defers as above
+        estimated = extra <= PAYS * work and not deferred_before(self.fn.model, self.key)
+        self.guard = len(self.packed) if o.tune is Tune.AUTO and estimated else None
         if verdict == "defer":
             self.deferred = True
             self.notes.append(deferred_note(extra, work))
@@ -369,6 +379,17 @@ class _RouteTiming:
             2 * share * max(0.0, per[k] - per[first]) for k in per if k != first
         )
         return extra + per[first], estimates[first]
+
+    def stop_timing(self) -> None:
+        """The timing did not pay as measured: nothing is cached and the same call again
+        measures (as a deferred one)."""
+        if not self.deferred:
+            self.deferred = True
+            defer(self.fn.model, self.key)
+            self.notes.append(
+                "tune: timing stopped: it cost more than "
+                f"{PAYS:.0%} of the job as measured; the same call again measures"
+            )
 
     def resizable(self, plan: VectorPlan) -> bool:
         """Whether the samples per vectorised call are ``auto``'s to time: the caller set no
@@ -441,6 +462,8 @@ class _RouteTiming:
             devices=[trial[0][1].device],
             warm_up=lambda k: self._run_route(k, plans[k], 1, bucket, pool, into, done),
             skip=skip,
+            units=self.guard,
+            on_stop=self.stop_timing,
         )
         if not times:  # every route failed on the data: the run meets the error again
             return into, set(), trial[0][0][0], trial[0][1]
@@ -466,7 +489,7 @@ class _RouteTiming:
         self._contradiction(trial[0][0], best, times, dict(trial))
         self.options = dataclasses.replace(self.options, mode=best[1], entries=best[2])
         plan = dict(trial)[best]
-        if self.resizable(plan):
+        if self.resizable(plan) and not self.deferred:  # (deferred: the timing stopped)
             into, done, plan = self.try_calls(best, plan, bucket, pool, into, done)
         return into, done, best[0], plan
 
@@ -564,6 +587,8 @@ class _RouteTiming:
                 devices=[plan.device],
                 warm_up=warm_up,
                 retime=0.0,  # the pair runs as many samples each: no second round
+                units=self.guard,
+                on_stop=self.stop_timing,
             )
             timed.extend((size, times.get(size, math.inf)) for size in (a, b))
             if b not in times:
@@ -639,6 +664,9 @@ class _EngineRun(_RouteTiming):
         #: ``tune="auto"`` found measuring too dear for this call: nothing cached, the same
         #: call again measures (:func:`~multiscale_jac._tuning.decide`)
         self.deferred = False
+        #: the job's samples where measuring was decided on the estimate of its work: the
+        #: timing stops where it does not pay as measured (``None``: asked for, or met again)
+        self.guard: int | None = None
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"

@@ -65,6 +65,7 @@ from ._tuning import (
     auto_measures,
     decide,
     deferred_note,
+    one_call,
     pick,
     register_types,
     time_candidates,
@@ -153,6 +154,7 @@ class DiagFisherResult:
         return self.subset.split(self.flat)
 
 
+@one_call
 def diag_fisher(
     model: nn.Module,
     data: Iterable[tuple[Any, Any]],

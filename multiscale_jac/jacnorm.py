@@ -55,6 +55,7 @@ from ._tuning import (
     auto_measures,
     decide,
     deferred_note,
+    one_call,
     pick,
     register_types,
     time_candidates,
@@ -91,6 +92,7 @@ _VMAP_BYTES = 256 * 2**20
 _HALF_CHUNK_FROM = 8
 
 
+@one_call
 def jacobian_sq_norm(
     model: nn.Module,
     inputs: Any,
@@ -193,6 +195,7 @@ def _accumulate(job: _Job, scale: float, reducer: Reducer) -> Tensor:
     return value
 
 
+@one_call
 def jacobian_sq_norm_backward(
     model: nn.Module,
     inputs: Any,

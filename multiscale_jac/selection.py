@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ._checks import check_positive_number
+from ._tuning import one_call
 from .enums import BatchNormPolicy, FisherKind, InputKind, Likelihood, Randomness, Tune
 from .fisher import diag_fisher
 from .subset import ParamSubset
@@ -21,6 +22,7 @@ from .subset import ParamSubset
 __all__ = ["largest_variance"]
 
 
+@one_call
 def largest_variance(
     model: nn.Module,
     data: Iterable[tuple[Any, Any]],

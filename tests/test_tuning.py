@@ -349,3 +349,66 @@ def test_a_layers_kernels_are_timed_the_second_time_it_is_met(measuring, monkeyp
         mj.diag_fisher(model, data, method="layerwise")
         probes.append(_counts()[2] - before)
     assert probes[0] == 0 and probes[1] > 0 and probes[2] == 0, probes
+
+
+def test_a_deferred_decision_waits_for_a_later_call_not_a_later_chunk(
+    measuring, monkeypatch
+) -> None:
+    """Met again inside the same public call (a Laplace fit's next chunk), a deferred decision
+    still runs the estimate: the call's work was counted once; the next call measures."""
+    monkeypatch.setattr(_tuning, "PAYS", 0.25)
+    owner = nn.Linear(1, 1)
+    with _tuning.call_scope():
+        assert _tuning.decide(mj.Tune.AUTO, owner, "k", extra=5.0, work=1.0) == "defer"
+        with _tuning.call_scope():  # nested: the same call
+            assert _tuning.decide(mj.Tune.AUTO, owner, "k", extra=5.0, work=1.0) == "defer"
+    with _tuning.call_scope():
+        assert _tuning.decide(mj.Tune.AUTO, owner, "k", extra=5.0, work=1.0) == "measure"
+
+
+@pytest.mark.parametrize(("warm_a", "stops"), [(3.0, True), (1.0, False)], ids=["stops", "goes-on"])
+def test_timing_stops_where_it_does_not_pay_as_measured(fake_clock, warm_a, stops) -> None:
+    """With the job's ``units``: once the seconds spent beyond the units done at the fastest
+    rate exceed PAYS of the job at that rate, nothing more is timed (a warm-up of 3 s on a
+    job of 4 s at 1 s a unit: 2 s beyond, over 0.25 x 4 = 1 s)."""
+    seconds = {"a": [warm_a, 1.0, 1.0], "b": [1.0, 1.5]}
+    calls: list[str] = []
+    stopped: list[bool] = []
+
+    def run(k: str) -> float:
+        calls.append(k)
+        fake_clock[0] = seconds[k].pop(0)
+        return 1.0
+
+    times = _tuning.time_candidates(
+        ["a", "b"], run, units=4.0, retime=1.2, on_stop=lambda: stopped.append(True)
+    )
+    if stops:
+        assert calls == ["a", "a"] and times == {"a": 1.0} and stopped == [True]
+    else:
+        assert calls == ["a", "a", "b", "b", "a"] and times == {"a": 1.0, "b": 1.5}
+        assert stopped == []
+
+
+def test_a_first_call_whose_timing_does_not_pay_defers(measuring, monkeypatch, fake_clock) -> None:
+    """The engine measures where the estimate says it pays; where the timing then costs more
+    than PAYS of the job as measured (every timed block 1 s, PAYS tiny: a warm-up of one
+    sample already does), it stops after the estimate's route, caches nothing and says so;
+    the next call measures, the third runs the cache."""
+    from multiscale_jac import engine
+
+    fake_clock[0] = 1.0
+    monkeypatch.setattr(_tuning, "PAYS", 1e-9)
+    monkeypatch.setattr(engine, "PAYS", 1e-9)
+    monkeypatch.setattr(engine, "SMALL_JOB_S", 0.0)
+    monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 4)
+    monkeypatch.setattr(engine._RouteTiming, "timing_cost", lambda self, *a: (0.0, 1.0))
+    fcn, ragged = _Fcn().to(DTYPE), _ragged()
+    probes, stopped = [], []
+    for _ in range(3):
+        before = _counts()[2]
+        notes = mj.per_sample_jacobian(fcn, ragged, params="head.*").notes
+        probes.append(_counts()[2] - before)
+        stopped.append(any("timing stopped" in n for n in notes))
+    assert stopped == [True, False, False], stopped
+    assert probes[0] <= 1 and probes[1] > probes[0] and probes[2] == 0, probes

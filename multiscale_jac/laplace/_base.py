@@ -27,6 +27,7 @@ from .._checks import (
     prepare,
 )
 from .._likelihood import output_dim
+from .._tuning import call_scope
 from ..enums import (
     ArgumentTypeError,
     BatchNormPolicy,
@@ -56,11 +57,12 @@ REWARD_MODELING = "reward_modeling"
 
 
 def fitting(fit: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks a class's ``fit``: it runs under :meth:`LaplaceBase._fitting`."""
+    """Marks a class's ``fit``: it runs under :meth:`LaplaceBase._fitting`, as one public call
+    (:func:`~multiscale_jac._tuning.call_scope`: its chunks meet a deferred decision once)."""
 
     @functools.wraps(fit)
     def run(self: LaplaceBase, *args: Any, **kwargs: Any) -> Any:
-        with self._fitting():
+        with self._fitting(), call_scope():
             return fit(self, *args, **kwargs)
 
     return run
