@@ -1771,35 +1771,6 @@ def malloc_fixed(args: argparse.Namespace) -> dict[str, str] | None:
     return MALLOC_FIXED if args.malloc == "fixed" else None
 
 
-#: per cell (``workload/model``): why the library's auto is slower than the fastest other
-#: method there and what would fix it, written after a measurement; it replaces the generic
-#: note that :func:`slow_note` derives from the cell's numbers
-CELL_NOTES: dict[str, str] = {
-    "subset/det_head": "auto runs its fastest route (forward mode, generic entries, vmap: "
-    "0.041 s, as the forced bucketed one); curvlinops' JacobianLinearOperator takes 0.034 s: "
-    "it pushes the 200 one-hot tangents through the model run on the whole batch at once, "
-    "where the library vmaps over samples, each a batch of one (exact for any model, but on "
-    "this small head the batching rules cost about 20%); what would fix it: a forward route "
-    "that runs the batch as one call where the model is checked not to mix samples (as the "
-    "Fisher's layer-wise route does; a hand-written prototype, vmap over the tangents of jvp "
-    "of the whole batch, took 0.031 s against auto's 0.036 s in a separate process)",
-    "jacobian/tinyfpn": "auto chose reverse mode with generic entries after its first timing "
-    "of the structured reverse route came out at 106 ms a sample, 6x its later 17 ms and so "
-    "outside the 3x window of routes timed twice; the generic route ran 1.19x the forced "
-    "structured one here and 1.02x the per-sample jacrev loop (the previous full run: the "
-    "same choice, 0.97x the loop, the two routes level); what would fix it: timing every "
-    "shortlisted route twice where the job is long enough to pay for it",
-    "ragged/tinyfpn": "level with the per-sample jacrev loop (1.01x; the previous full run "
-    "0.92x): auto runs its fastest route within 1%, and each sample's Jacobian has 756-1680 "
-    "rows of 5636 entries (17-36 MiB), so jacrev on one sample already runs its rows as one "
-    "vectorised call and batching samples on top has nothing left to gain; what would fix "
-    "it: nothing in the route choice, as both write the same blocks into the same result",
-    "ragged/sharedfpn": "level with the per-sample jacrev loop (1.0003x; the previous full "
-    "run 0.98x): auto runs its fastest route within 1%; as on ragged/tinyfpn, each sample's "
-    "Jacobian (1008 rows) is one vectorised call already in the loop",
-}
-
-
 def slow_note(c: dict[str, Any]) -> str:
     """A note for a cell where ``library_auto`` is slower than the best other method."""
     lob = c.get("library_over_best_other")
@@ -1809,8 +1780,6 @@ def slow_note(c: dict[str, Any]) -> str:
         return "only the library ran here" + (f"; the others fail: {first}" if first else "")
     if lob is None or lob <= 1.0:
         return ""
-    if c["name"] in CELL_NOTES:
-        return CELL_NOTES[c["name"]]
     route, other = c.get("best_route_seconds"), c.get("best_other_seconds")
     if route is not None and other is not None and route > other:
         return (
