@@ -138,8 +138,11 @@ def main_table(
 
 
 def choice_table(results: dict[str, Any]) -> str:
-    """auto against the fastest forced route per cell (the choice family, else the main one)."""
-    fam = "choice" if cells(results, "choice") else "main"
+    """auto against the fastest forced route per cell: the choice family's cell where one was
+    measured, else the main family's (both time auto and every forced route); with auto's
+    peak memory against that route's (``tune=False``), where both were measured."""
+    chosen = {c["name"]: c for c in cells(results, "main")}
+    chosen.update({c["name"]: c for c in cells(results, "choice")})
     rows = [
         [
             c["name"],
@@ -147,16 +150,18 @@ def choice_table(results: dict[str, Any]) -> str:
             route(c.get("best_route")),
             secs(c.get("best_route_seconds")),
             num(c.get("auto_over_best_route")),
+            num(c.get("auto_memory_over_best_route")),
+            c.get("run"),
         ]
-        for c in cells(results, fam)
+        for c in chosen.values()
     ]
-    ratios = [
-        c["auto_over_best_route"] for c in cells(results, fam) if c.get("auto_over_best_route")
-    ]
-    head = ["cell", "auto s", "fastest forced route", "route s", "auto / route"]
+    ratios = [c["auto_over_best_route"] for c in chosen.values() if c.get("auto_over_best_route")]
+    head = ["cell", "auto s", "fastest forced route", "route s", "auto / route", "memory", "run"]
+    fams = sorted({c["family"] for c in chosen.values()})
     summary = (
-        f"{len(ratios)} cells of the `{fam}` grid; auto / the fastest forced route: median "
-        f"{num(median(ratios))}, largest {num(max(ratios))}."
+        f"{len(ratios)} cells of the {' and '.join(f'`{f}`' for f in fams)} grids; auto / the "
+        f"fastest forced route: median {num(median(ratios))}, largest {num(max(ratios))}; "
+        "memory: auto's peak memory, its timing included, over the route's with `tune=False`."
         if ratios
         else "No cells measured."
     )
