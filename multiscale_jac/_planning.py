@@ -200,12 +200,12 @@ def plan_chunks(
     itemsize, device = like.element_size(), like.device
     full_inner = fp.outputs if mode is Mode.REV else numel  # rows (O) or tangents of a sample
     rev = mode is Mode.REV
-    full = engine_sample(fp, rev, numel, itemsize, full_inner, per_step)
+    bound = available is not None  # under a budget: the bound, not the estimate
+    full = engine_sample(fp, rev, numel, itemsize, full_inner, per_step, bound=bound)
     if available is None:
         target = DEFAULT_WORKSET_BYTES.get(device.type, DEFAULT_WORKSET_BYTES["cuda"])
         n = chunk_size or max(1, target // max(full, 1))
         return Plan(min(n, bucket_size), None)
-    full = engine_sample(fp, rev, numel, itemsize, full_inner, per_step, bound=True)
     n = chunk_size or max(1, available // max(full, 1))
     n = min(n, bucket_size)
     if n * full <= available:
@@ -409,14 +409,8 @@ def plan_strategy(
         MemoryBudgetError: ``options.memory_budget`` is below the estimated minimum.
         UnsupportedOpError, RuntimeError: the padded strategy cannot run the model.
     """
-    measured, sizes = _measure_groups(fn, packed, strategy)
-    mode, structured, costs = _pick_mode(fn, measured, sizes, strategy, options, notes)
-    rev_fn = StructuredFunction(fn, structured) if mode is Mode.REV and structured else fn
-    bound = options.memory_budget is not None
-    if bound:
-        measured = _bounded_footprints(rev_fn, measured, packed)
-    spans = tangent_groups(fn.subset, mode, options.randomness)
-    steps = _steps(fn, measured, mode, spans, structured, costs, bound)
+    p = _planned(fn, packed, strategy, options, notes, options.memory_budget is not None)
+    measured, sizes, mode, structured, rev_fn, spans, steps = p
     available = _available(fn, measured, sizes, mode, steps, options)
     like = fn.values()[0]
     groups = [
@@ -433,6 +427,28 @@ def plan_strategy(
     return VectorPlan(
         strategy, mode, groups, spans, tuple(sizes), fn.subset.numel, fn.device, structured
     )
+
+
+def _planned(
+    fn: PerSampleFunction,
+    packed: PackedBatch,
+    strategy: Strategy,
+    options: EngineOptions,
+    notes: list[str],
+    bound: bool,
+) -> tuple[list[Group], list[int], Mode, tuple[str, ...], Any, list[tuple[int, int]], list]:
+    """What :func:`plan_strategy` and :func:`engine_minimum` both plan: the measured groups,
+    every sample's ``O``, the mode, the structured tensors, the reverse function, the tangent
+    spans and each step's bytes (``bound``: under a budget, footprints of a structured route
+    measured on its own forward and the reverse step's bound)."""
+    measured, sizes = _measure_groups(fn, packed, strategy)
+    mode, structured, costs = _pick_mode(fn, measured, sizes, strategy, options, notes)
+    rev_fn = StructuredFunction(fn, structured) if mode is Mode.REV and structured else fn
+    if bound:
+        measured = _bounded_footprints(rev_fn, measured, packed)
+    spans = tangent_groups(fn.subset, mode, options.randomness)
+    steps = _steps(fn, measured, mode, spans, structured, costs, bound)
+    return measured, sizes, mode, structured, rev_fn, spans, steps
 
 
 def _measure_groups(
@@ -656,12 +672,7 @@ def engine_minimum(
     """The least ``memory_budget`` the engine runs ``packed`` with under ``strategy`` (what a
     :class:`MemoryBudgetError` states): planned as :func:`plan_strategy` plans, without
     running it."""
-    measured, sizes = _measure_groups(fn, packed, strategy)
-    mode, structured, costs = _pick_mode(fn, measured, sizes, strategy, options, [])
-    rev_fn = StructuredFunction(fn, structured) if mode is Mode.REV and structured else fn
-    measured = _bounded_footprints(rev_fn, measured, packed)
-    spans = tangent_groups(fn.subset, mode, options.randomness)
-    steps = _steps(fn, measured, mode, spans, structured, costs, True)
+    measured, sizes, mode, _, _, _, steps = _planned(fn, packed, strategy, options, [], True)
     return sum(_least(fn, measured, sizes, mode, steps, options.chunk_size))
 
 

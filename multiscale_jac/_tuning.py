@@ -217,15 +217,19 @@ def time_candidates(
     times: dict[K, float] = {}
     spent = [0.0, 0.0]  # seconds and units of every run so far
 
-    def counted(fn: Callable[[K], float | None]) -> Callable[[K], float | None]:
-        def one(k: K) -> float | None:
-            with stopwatch(devices) as elapsed:
-                done = fn(k)
-            spent[0] += elapsed[0]
-            spent[1] += done or 0.0
-            return done
+    def counted(k: K, fn: Callable[[K], float | None]) -> float | None:
+        """``_time_one(k, fn)`` (one clock), its seconds and units added to ``spent``."""
+        done: list[float | None] = []
 
-        return one
+        def call(c: K) -> float | None:
+            done.append(fn(c))
+            return done[-1]
+
+        per_unit = _time_one(k, call, devices)
+        if per_unit is not None and done and done[-1] is not None:
+            spent[0] += per_unit * max(done[-1], 1e-12)
+            spent[1] += done[-1]
+        return per_unit
 
     def paid() -> bool:  # measuring so far costs more than it can save
         best = min(times.values(), default=None)
@@ -240,11 +244,11 @@ def time_candidates(
     for k in candidates:
         if paid():
             return times
-        warm = _time_one(k, counted(warm_up or run), devices)
+        warm = counted(k, warm_up or run)
         if warm is None or (skip is not None and skip(k, warm, times)):
             continue
         COUNTS["probe"] += 1
-        t = _time_one(k, counted(run), devices)
+        t = counted(k, run)
         if t is not None:
             times[k] = t
     best = min(times.values(), default=0.0)

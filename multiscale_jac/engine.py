@@ -343,11 +343,10 @@ class _RouteTiming:
             return ran, plan
         extra, work = self.timing_cost(first, trial, estimates, largest)
         verdict = decide(o.tune, self.fn.model, self.key, extra=extra, work=work)
-        # measured because the estimate said it pays (not asked for, not deferred before):
-        # the timing also stops where it does not pay as measured (time_candidates' units),
-        # and then defers as above
-        estimated = extra <= PAYS * work and not deferred_before(self.fn.model, self.key)
-        self.guard = len(self.packed) if o.tune is Tune.AUTO and estimated else None
+        # ``auto`` measuring on the estimate's word (not deferred before): the timing also
+        # stops where it does not pay as measured (time_candidates' units), deferring then
+        on_estimate = o.tune is Tune.AUTO and not deferred_before(self.fn.model, self.key)
+        self.guard = len(self.packed) if verdict == "measure" and on_estimate else None
         if verdict == "defer":
             self.deferred = True
             self.notes.append(deferred_note(extra, work))

@@ -479,8 +479,8 @@ class _Job:
 
     def _larger(self, chunk: int, largest: int, left: int) -> int:
         """The larger chunk ``vmap`` is also timed at: up to
-        :data:`~multiscale_jac._tuning.GROWTH` times its default ``chunk`` and the ``left`` samples of the ``largest`` bucket after the other
-        routes' chunks, splitting the bucket evenly; within the route's default bytes and on
+        :data:`~multiscale_jac._tuning.GROWTH` times its default ``chunk`` and the ``left``
+        samples of the ``largest`` bucket after the other routes' chunks, splitting the bucket evenly; within the route's default bytes and on
         CPU :func:`~multiscale_jac._memory.cpu_chunk_cap` (32 samples a chunk ran 1.4x
         slower than 16 on a 3-conv CNN, where a per-sample gradient crossed it); only with
         no ``chunk_size`` or ``memory_budget`` given (``chunk`` itself otherwise)."""
