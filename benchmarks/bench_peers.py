@@ -74,6 +74,7 @@ import importlib
 import importlib.util
 import json
 import math
+import re
 import sys
 import tempfile
 import time
@@ -1101,11 +1102,19 @@ def library(tune: Any = None, **kw: str) -> Prepare:
                 res = mj.per_sample_jacobian(model, batch.inputs, **subset, **opts)
                 value = res.jacobian
                 info = {k: str(getattr(res, k, None)) for k in ("strategy", "mode", "fallback")}
+                info["chosen"] = {
+                    "strategy": str(res.strategy),
+                    "mode": str(res.mode),
+                    **({"entries": "generic"} if not res.structured else {}),
+                    **({"chunk_size": res.chunk_size} if res.chunk_size else {}),
+                }
                 info["notes"] = [str(n)[:200] for n in list(getattr(res, "notes", ()) or ())[:6]]
             elif w == "fisher":
                 res = mj.diag_fisher(model, [(batch.inputs, batch.targets)], **opts)
                 plan = {str(v) for v in (res.plan or {}).values()}
                 value, info = res.flat, {"method": str(res.method), "plan": sorted(plan)}
+                valid = {m.value for m in mj.FisherMethod}  # else a mix: auto's own
+                info["chosen"] = {"method": str(res.method)} if str(res.method) in valid else {}
             elif w == "jacnorm":
                 model.zero_grad(set_to_none=True)
                 with _jacnorm_jobs() as jobs:
@@ -1116,6 +1125,9 @@ def library(tune: Any = None, **kw: str) -> Prepare:
                 chose = [n for n in notes if "chose" in n or n.startswith("cached choice")]
                 if chose:
                     info["method"] = chose[-1].split("chose ")[-1].split(" (")[0]
+                    ran = re.search(r"chose '(\w+)' with (\d+) samples", chose[-1])
+                    if ran:
+                        info["chosen"] = {"method": ran[1], "chunk_size": int(ran[2])}
                 info["notes"] = [n[:300] for n in notes[:6]]
             else:
                 la = mj.SubnetLaplace(model, "classification", cell.subset, **opts)
@@ -1606,21 +1618,33 @@ def _short(r: dict[str, Any]) -> str:
 
 
 def memory_worker(args: argparse.Namespace) -> int:
-    """Peak memory of one method on the batch, in this fresh process (after a slice warm-up)."""
+    """Peak memory of one method on the batch, in this fresh process (after a slice warm-up).
+    ``library_auto`` also reports the route it ran (``chosen``); ``chosen`` with ``--route``
+    forces that route with ``tune=False`` (:func:`run_cell`)."""
     name, method = args.worker_mem
     spot = Spot.parse(name)
     torch.set_num_threads(args.threads)
     cell = spot.build(args)
-    (m,) = [m for m in methods_for(spot.workload, cell.spec.dense) if m.name == method]
-    # a forced route with tune=False: the reference of auto's peak, which includes its timing
-    prepare = m.prepare if m.route is None else library(tune=False, **m.route)
+    if method == CHOSEN:  # auto's route forced, nothing timed: the reference of auto's peak
+        prepare = library(tune=False, **json.loads(args.route))
+    else:
+        (m,) = [m for m in methods_for(spot.workload, cell.spec.dense) if m.name == method]
+        # a forced route with tune=False: the reference of auto's peak, which includes its timing
+        prepare = m.prepare if m.route is None else library(tune=False, **m.route)
     run = prepare(cell, cell.model)
+    out: list[Any] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run(cell.small())
-        rec = measure_peak_memory(lambda: run(cell.batch), args.device)
+        rec = measure_peak_memory(lambda: out.append(run(cell.batch)), args.device)
+    if method == "library_auto":
+        rec["chosen"] = out[0].info.get("chosen", {})
     print(json.dumps(rec))
     return 0
+
+
+#: the memory workers' name for library_auto's route forced (``--route``: its options)
+CHOSEN = "library_chosen"
 
 
 # ---------------------------------------------------------------------- the named grids
@@ -1862,10 +1886,19 @@ def run_cell(
     for r in ms.values():
         if r.get("peak_memory_bytes") is not None and base:
             r["memory_ratio_to_train_step"] = r["peak_memory_bytes"] / base
-    auto_b = ms.get("library_auto", {}).get("peak_memory_bytes")
-    route_b = ms.get(rec.get("best_route") or "", {}).get("peak_memory_bytes")
-    if auto_b and route_b:  # auto, its timing included, against the best route, nothing timed
-        rec["auto_memory_over_best_route"] = auto_b / route_b
+    auto = ms.get("library_auto", {})
+    chosen = (auto.get("memory") or {}).get("chosen")
+    if auto.get("peak_memory_bytes") and chosen is not None and memory != "none":
+        # auto, its timing included, against the route it ran forced with tune=False
+        mem = run_worker(
+            [str(SCRIPT), *args.argv, "--worker-mem", name, CHOSEN, "--route", json.dumps(chosen)],
+            timeout_s=args.timeout,
+        )
+        auto.update(chosen_route=chosen, chosen_route_memory=mem)
+        if mem.get("peak_memory_bytes"):
+            rec["auto_memory_over_chosen_route"] = (
+                auto["peak_memory_bytes"] / mem["peak_memory_bytes"]
+            )
     rec["cell_seconds"] = round(time.perf_counter() - t0, 1)
     lob, aor = rec.get("library_over_best_other"), rec.get("auto_over_best_route")
     log(
@@ -2006,8 +2039,9 @@ NOTES = {
     "float32_rel_diff (vs the first peer on the batch) <= f32_tol",
     "library_over_best_other": "library_auto seconds / the fastest valid non-library method's",
     "auto_over_best_route": "library_auto seconds / the fastest valid forced library route's",
-    "auto_memory_over_best_route": "library_auto's peak memory (its timing included: a fresh "
-    "process, a slice call, then the batch) / the best forced route's with tune=False",
+    "auto_memory_over_chosen_route": "library_auto's peak memory (its timing included: a "
+    "fresh process, a slice call, then the batch) / the route it ran (its chosen_route: "
+    "strategy, mode, entries, samples per call; or method and chunk) forced with tune=False",
     "note": "why auto is slower than the best other method, where it is",
     "backpack_DiagGGNExact": "not used: the GGN diagonal is neither the empirical Fisher nor "
     "the off-diagonal subset block a subnetwork Laplace needs",
@@ -2217,6 +2251,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--name", help="results file stem (default: grid, or grid_quick; --check adds _check)")
     add("--worker-cell", help=argparse.SUPPRESS)
     add("--worker-mem", nargs=2, help=argparse.SUPPRESS)
+    add("--route", help=argparse.SUPPRESS)
     add("--worker-role", nargs=3, help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)

@@ -140,7 +140,8 @@ def main_table(
 def choice_table(results: dict[str, Any]) -> str:
     """auto against the fastest forced route per cell: the choice family's cell where one was
     measured, else the main family's (both time auto and every forced route); with auto's
-    peak memory against that route's (``tune=False``), where both were measured."""
+    peak memory against the route it ran forced with ``tune=False``, where both were
+    measured."""
     chosen = {c["name"]: c for c in cells(results, "main")}
     chosen.update({c["name"]: c for c in cells(results, "choice")})
     rows = [
@@ -150,7 +151,7 @@ def choice_table(results: dict[str, Any]) -> str:
             route(c.get("best_route")),
             secs(c.get("best_route_seconds")),
             num(c.get("auto_over_best_route")),
-            num(c.get("auto_memory_over_best_route")),
+            num(c.get("auto_memory_over_chosen_route")),
             c.get("run"),
         ]
         for c in chosen.values()
@@ -161,7 +162,8 @@ def choice_table(results: dict[str, Any]) -> str:
     summary = (
         f"{len(ratios)} cells of the {' and '.join(f'`{f}`' for f in fams)} grids; auto / the "
         f"fastest forced route: median {num(median(ratios))}, largest {num(max(ratios))}; "
-        "memory: auto's peak memory, its timing included, over the route's with `tune=False`."
+        "memory: auto's peak memory, its timing included, over the route it ran (strategy, "
+        "mode, entries and samples per call, or method and chunk) forced with `tune=False`."
         if ratios
         else "No cells measured."
     )

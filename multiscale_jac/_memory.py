@@ -20,7 +20,9 @@ __all__ = [
     "CPU_TENSOR_BYTES",
     "chunk_in",
     "cpu_chunk_cap",
+    "engine_call",
     "engine_rev_step",
+    "engine_tangent",
     "tensor_bytes",
     "engine_result",
     "engine_sample",
@@ -36,6 +38,7 @@ __all__ = [
     "laplace_kept",
     "laplace_reverse_rows",
     "laplace_row",
+    "mib",
 ]
 
 
@@ -52,6 +55,11 @@ class _Footprint(Protocol):
 #: chunks of 32 samples (47 MB of per-sample gradient for that weight) took 0.44-0.96 s from
 #: call to call, in chunks of 16 a steady 0.42 s (2 cores, torch 2.13).
 CPU_TENSOR_BYTES = 32 * 2**20
+
+
+def mib(nbytes: int) -> str:
+    """``nbytes`` for a note: ``"12.3 MiB"``."""
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def tensor_bytes(elems: int, itemsize: int) -> int:
@@ -82,19 +90,22 @@ def engine_sample(
     inner: int,
     per_step: int | None = None,
     bound: bool = False,
+    tangent: int = 0,
 ) -> int:
     """One sample's working memory with ``inner`` rows (``rev``) or tangents (fwd) at once:
     ``A + inner * per_step + 2 O P s`` (one forward, the per-sample Jacobian and its chunk
     pieces), ``per_step`` being ``2 M + P s`` (rev: cotangents per layer and a parameter-
     gradient row) or ``2 M + O s`` (fwd: tangents per layer and an output tangent) unless
-    measured (the structured pass counts it). Under a ``memory_budget`` (``bound``) the
-    forward counts twice: a structured pass saves its layers' unfolded inputs besides the
-    plain forward's tensors, and the call's slices of the inputs are copies (a 2-conv CNN's
-    structured fit held 57 kB of them over a 30 kB forward)."""
+    measured (the structured pass counts it), and in fwd ``(inner + 1) * tangent`` more
+    (:func:`engine_tangent`). Under a ``memory_budget`` (``bound``) the forward counts twice:
+    a structured pass saves its layers' unfolded inputs besides the plain forward's tensors,
+    and the call's slices of the inputs are copies (a 2-conv CNN's structured fit held 57 kB
+    of them over a 30 kB forward)."""
     if per_step is None:
         per_step = 2 * fp.largest + (numel if rev else fp.outputs) * itemsize
     forward = 2 * fp.activations if bound else fp.activations
-    return forward + inner * per_step + 2 * fp.outputs * numel * itemsize
+    held = (inner + 1) * tangent
+    return forward + inner * per_step + held + 2 * fp.outputs * numel * itemsize
 
 
 def engine_rev_step(fp: _Footprint, numel: int, dense: int, itemsize: int, bound: bool) -> int:
@@ -114,6 +125,20 @@ def engine_rev_step(fp: _Footprint, numel: int, dense: int, itemsize: int, bound
     if bound:
         return fp.activations + 2 * fp.largest + 5 * (numel + dense) * itemsize
     return 2 * fp.largest + (numel + dense) * itemsize
+
+
+def engine_tangent(width: int, whole: int, itemsize: int) -> int:
+    """What each forward tangent adds to a sample: its one-hot over the span's ``width``
+    entries and, for generic entries of tensors selected by index, the tangent of each whole
+    tensor (``whole`` entries in all) that putting the entries into it makes; the sample
+    also holds one copy of the whole tensors the entries are put into (counted as one more
+    tangent). 196 entries of a (256, 2048) weight: 196 tangents of 2 MiB a sample."""
+    return (width + whole) * itemsize
+
+
+def engine_call(sample: int, samples: int) -> int:
+    """One vectorised call: ``samples`` times one sample's working set (:func:`engine_sample`)."""
+    return samples * sample
 
 
 def engine_result(samples: int, rows: int, numel: int, itemsize: int) -> int:

@@ -15,12 +15,19 @@ import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from ._memory import engine_result, engine_rev_step, engine_sample, tensor_bytes
+from ._memory import (
+    engine_call,
+    engine_result,
+    engine_rev_step,
+    engine_sample,
+    engine_tangent,
+    tensor_bytes,
+)
 from ._ops import AT
 from ._tuning import COUNTS, register_types
 from .adapter import PerSampleFunction
@@ -38,6 +45,7 @@ __all__ = [
     "Footprint",
     "Group",
     "Plan",
+    "Step",
     "VectorPlan",
     "choose_mode",
     "choose_strategy",
@@ -169,11 +177,21 @@ def graph_depth(out: Tensor) -> int:
     return depth[root] - 1  # the leaves' AccumulateGrad nodes are no ops
 
 
+class Step(NamedTuple):
+    """What one vectorised step of a span holds: ``width`` columns; ``per_step``, the bytes a
+    sample holds per row (rev) or tangent (fwd), measured, or ``None`` for the footprint's
+    estimate; ``tangent``, what each forward tangent adds (``0`` in rev; both:
+    :func:`~multiscale_jac._memory.engine_sample`)."""
+
+    width: int
+    per_step: int | None
+    tangent: int = 0
+
+
 def plan_chunks(
     group: Group,
     mode: Mode,
-    numel: int,
-    per_step: int | None,
+    step: Step,
     chunk_size: int | None,
     available: int | None,
     like: Tensor,
@@ -184,9 +202,7 @@ def plan_chunks(
     Args:
         group: The group (its samples and footprint).
         mode: ``rev`` or ``fwd``.
-        numel: P (fwd: of the tensor's tangent group).
-        per_step: Measured bytes per row/tangent, or ``None`` (see
-            :func:`~multiscale_jac._memory.engine_sample`).
+        step: The span's :class:`Step` (its ``width``: P in rev, the span's columns in fwd).
         chunk_size: Samples per call fixed by the caller, or ``None``.
         available: Bytes left under the caller's ``memory_budget`` after the result, or
             ``None`` for no budget (then a default working-set target is used).
@@ -198,24 +214,39 @@ def plan_chunks(
     """
     fp, bucket_size = group.footprint, len(group.indices)
     itemsize, device = like.element_size(), like.device
-    full_inner = fp.outputs if mode is Mode.REV else numel  # rows (O) or tangents of a sample
+    numel, per_step, tangent = step
     rev = mode is Mode.REV
+    full_inner = fp.outputs if rev else numel  # rows (O) or tangents of a sample
     bound = available is not None  # under a budget: the bound, not the estimate
-    full = engine_sample(fp, rev, numel, itemsize, full_inner, per_step, bound=bound)
+
+    def sample(inner: int, bound: bool) -> int:
+        return engine_sample(fp, rev, numel, itemsize, inner, per_step, bound, tangent)
+
+    full = sample(full_inner, bound)
     if available is None:
         target = DEFAULT_WORKSET_BYTES.get(device.type, DEFAULT_WORKSET_BYTES["cuda"])
         n = chunk_size or max(1, target // max(full, 1))
         return Plan(min(n, bucket_size), None)
     n = chunk_size or max(1, available // max(full, 1))
     n = min(n, bucket_size)
-    if n * full <= available:
+    if engine_call(full, n) <= available:
         return Plan(n, None)
-    one = engine_sample(fp, rev, numel, itemsize, 1, per_step, bound=True)
-    step = one - engine_sample(fp, rev, numel, itemsize, 0, per_step, bound=True)
-    inner = (available // n - (one - step)) // max(step, 1)
+    one = sample(1, True)
+    step_bytes = one - sample(0, True)
+    inner = (available // n - (one - step_bytes)) // max(step_bytes, 1)
     if inner < 1:  # the caller checks the minimum first
         raise ValueError(f"memory_budget too small for {n} sample(s) with one row/tangent each")
     return Plan(n, int(min(inner, full_inner)))
+
+
+def call_bytes(group: Group, mode: Mode, step: Step, plan: Plan, itemsize: int, bound: bool) -> int:
+    """The working set of one vectorised call of ``group`` as ``plan`` runs it
+    (:func:`~multiscale_jac._memory.engine_call`; ``bound``: under a ``memory_budget``)."""
+    rev = mode is Mode.REV
+    inner = plan.inner or (group.footprint.outputs if rev else step.width)
+    fp = group.footprint
+    sample = engine_sample(fp, rev, step.width, itemsize, inner, step.per_step, bound, step.tangent)
+    return engine_call(sample, plan.samples)
 
 
 #: Cost-model constants per device type: seconds per vectorised forward pass (Python tracing of
@@ -394,6 +425,9 @@ class VectorPlan:
     numel: int
     device: torch.device
     structured: tuple[str, ...] = ()  # tensors run by the structured path
+    #: the working set of its largest vectorised call (:func:`call_bytes`); ``0`` where not
+    #: planned (a replayed decision)
+    workset: int = 0
 
 
 def plan_strategy(
@@ -418,14 +452,19 @@ def plan_strategy(
             m,
             fn=rev_fn if m.fn is fn else m.fn,
             chunks=tuple(
-                plan_chunks(m, mode, width, per_step, options.chunk_size, available, like)
-                for width, per_step in steps
+                plan_chunks(m, mode, step, options.chunk_size, available, like) for step in steps
             ),
         )
         for m in measured
     ]
+    itemsize, bound = like.element_size(), available is not None
+    workset = max(
+        call_bytes(g, mode, step, chunk, itemsize, bound)
+        for g in groups
+        for step, chunk in zip(steps, g.chunks)
+    )
     return VectorPlan(
-        strategy, mode, groups, spans, tuple(sizes), fn.subset.numel, fn.device, structured
+        strategy, mode, groups, spans, tuple(sizes), fn.subset.numel, fn.device, structured, workset
     )
 
 
@@ -436,7 +475,7 @@ def _planned(
     options: EngineOptions,
     notes: list[str],
     bound: bool,
-) -> tuple[list[Group], list[int], Mode, tuple[str, ...], Any, list[tuple[int, int]], list]:
+) -> tuple[list[Group], list[int], Mode, tuple[str, ...], Any, list[tuple[int, int]], list[Step]]:
     """What :func:`plan_strategy` and :func:`engine_minimum` both plan: the measured groups,
     every sample's ``O``, the mode, the structured tensors, the reverse function, the tangent
     spans and each step's bytes (``bound``: under a budget, footprints of a structured route
@@ -582,11 +621,12 @@ def _steps(
     structured: tuple[str, ...],
     costs: dict[str, EntryCost],
     bound: bool,
-) -> list[tuple[int, int | None]]:
-    """``(columns, bytes)`` of what one vectorised step holds: rev, one output row of all P
-    columns (``bound``: under a ``memory_budget``, :func:`~multiscale_jac._memory.engine_rev_step`);
-    fwd, one tangent of one span (measured by the survey where it ran, else ``None``: the
-    footprint estimate)."""
+) -> list[Step]:
+    """The :class:`Step` of each span: rev, one output row of all P columns (``bound``: under
+    a ``memory_budget``, :func:`~multiscale_jac._memory.engine_rev_step`); fwd, one tangent of
+    one span (measured by the survey where it ran, else ``None``: the footprint estimate),
+    with its one-hot and, for generic entries of tensors selected by index, the tangents of
+    the whole tensors (:func:`~multiscale_jac._memory.engine_tangent`)."""
     itemsize = fn.values()[0].element_size()
     if mode is Mode.REV:
         # each row's backward also holds the full gradient of every generic selected tensor
@@ -601,15 +641,24 @@ def _steps(
             max(m.footprint.outputs for m in measured),
         )
         step = engine_rev_step(fp, fn.subset.numel, dense, itemsize, bound)
-        return [(fn.subset.numel, step)]
-    steps: list[tuple[int, int | None]] = []
+        return [Step(fn.subset.numel, step)]
+    steps: list[Step] = []
+    offsets = fn.subset.offsets
     for lo, hi in spans:
         name = span_tensor(fn.subset, (lo, hi))
         cost = costs.get(name) if name is not None else None
         elems = None
         if cost is not None:
             elems = cost.structured_elems if name in structured else cost.generic_elems
-        steps.append((hi - lo, None if elems is None else tensor_bytes(elems, itemsize)))
+        whole = sum(  # the generic tensors of the span selected by index
+            fn.params[t].numel()
+            for t in fn.subset.names
+            if lo <= offsets[t][0] and offsets[t][1] <= hi
+            and t not in structured
+            and fn.subset.indices[t] is not None
+        )  # fmt: skip
+        per_step = None if elems is None else tensor_bytes(elems, itemsize)
+        steps.append(Step(hi - lo, per_step, engine_tangent(hi - lo, whole, itemsize)))
     return steps
 
 
@@ -618,7 +667,7 @@ def _available(
     measured: list[Group],
     sizes: list[int],
     mode: Mode,
-    steps: list[tuple[int, int | None]],
+    steps: list[Step],
     options: EngineOptions,
 ) -> int | None:
     """Bytes left under ``memory_budget`` after the result (``None`` without a budget).
@@ -649,7 +698,7 @@ def _least(
     measured: list[Group],
     sizes: list[int],
     mode: Mode,
-    steps: list[tuple[int, int | None]],
+    steps: list[Step],
     chunk_size: int | None,
 ) -> tuple[int, int]:
     """The result's bytes and the least working set: one call of the smallest allowed size,
@@ -657,11 +706,14 @@ def _least(
     itemsize = fn.values()[0].element_size()
     numel = fn.subset.numel
     result_bytes = engine_result(len(sizes), max(sizes), numel, itemsize)
+    rev = mode is Mode.REV
     need = max(
-        min(chunk_size or 1, len(m.indices))
-        * engine_sample(m.footprint, mode is Mode.REV, width, itemsize, 1, per_step, bound=True)
+        engine_call(
+            engine_sample(m.footprint, rev, s.width, itemsize, 1, s.per_step, True, s.tangent),
+            min(chunk_size or 1, len(m.indices)),
+        )
         for m in measured
-        for width, per_step in steps
+        for s in steps
     )
     return result_bytes, need
 

@@ -85,6 +85,8 @@ __all__ = [
     "deferred_before",
     "deferred_note",
     "environment",
+    "grown",
+    "grows",
     "load",
     "one_call",
     "pick",
@@ -267,6 +269,21 @@ def _time_one(k: K, fn: Callable[[K], float | None], devices: list[torch.device]
     with stopwatch(devices) as elapsed:
         units = fn(k)
     return None if units is None else elapsed[0] / max(units, 1e-12)
+
+
+def grows(workset: int, chosen: int) -> bool:
+    """Whether a candidate holding ``workset`` bytes holds more than :data:`GROWTH` times
+    ``chosen``, the estimate's choice's (then it is not timed; ``0``: not planned, no rule)."""
+    return chosen > 0 and workset > GROWTH * chosen
+
+
+def grown(samples: int, workset: int, chosen: int) -> int:
+    """The most samples per call that a call of ``samples`` holding ``workset`` bytes may grow
+    to within :data:`GROWTH` times ``chosen`` (a call's working set grows with its samples;
+    at least ``samples``, at most :data:`GROWTH` times them)."""
+    if chosen <= 0 or workset <= 0:
+        return GROWTH * samples
+    return max(samples, min(GROWTH * samples, samples * GROWTH * chosen // workset))
 
 
 def pick(

@@ -33,6 +33,7 @@ from ._checks import (
     prepare,
     warn_fallback,
 )
+from ._memory import mib
 from ._planning import (
     COST_CONSTANTS,
     EngineOptions,
@@ -58,6 +59,8 @@ from ._tuning import (
     defer,
     deferred_before,
     deferred_note,
+    grown,
+    grows,
     one_call,
     pick,
     seconds,
@@ -315,6 +318,15 @@ class _RouteTiming:
                     plans[s, m, e] = plan_strategy(self.fn, self.packed, s, route, [])
                 except (RuntimeError, UnsupportedOpError, MemoryBudgetError):
                     continue  # a route that cannot run is no candidate
+        heavy = {k: p.workset for k, p in plans.items() if grows(p.workset, plan.workset)}
+        if heavy:  # nothing timed holds more than GROWTH x the estimate's choice's working set
+            self.notes.append(
+                f"tune: not timed, their working set over {GROWTH}x the estimate's choice's "
+                f"({mib(plan.workset)}): "
+                + ", ".join(f"{_route(k)} ({mib(w)})" for k, w in heavy.items())
+            )
+        plans = {k: p for k, p in plans.items() if k not in heavy}
+        self.workset = plan.workset
         estimates = {k: plan_seconds(p) for k, p in plans.items()}
         best = min(estimates.values())
         keep = {first, (ran, plan.mode, Entries.GENERIC)}
@@ -595,7 +607,8 @@ class _RouteTiming:
             return a not in times or pick(times, prefer=lambda size: size) == b
 
         chosen = n
-        most = min(largest, GROWTH * n)  # the working set timed: GROWTH x the estimate's
+        # the working set timed: GROWTH x the estimate's choice's (calls grow with samples)
+        most = min(largest, GROWTH * n, grown(n, plan.workset, self.workset))
 
         def doubled(k: int) -> int:
             return even_chunk(min(2 * k, most), largest)
@@ -666,6 +679,8 @@ class _EngineRun(_RouteTiming):
         #: the job's samples where measuring was decided on the estimate of its work: the
         #: timing stops where it does not pay as measured (``None``: asked for, or met again)
         self.guard: int | None = None
+        #: the working set of the estimate's choice: what timing may grow by GROWTH
+        self.workset = 0
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"

@@ -146,7 +146,7 @@ NOT_MEASURED: dict[str, dict[str, tuple[str, Callable[[], bool] | None]]] = {
             "the warm-up cut-off",
             _setting("engine", "WARM_CUTOFF", 4.0),
         ),
-        "more than 4x the working set": _GROWTH,
+        "stays within 4x the estimate's choice's": _GROWTH,
         "on samples left over, at up to 4x it": _GROWTH,
         "would take under 0.1 s runs the cheapest plan": (
             "the small-job threshold",

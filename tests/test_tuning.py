@@ -412,3 +412,36 @@ def test_a_first_call_whose_timing_does_not_pay_defers(measuring, monkeypatch, f
         stopped.append(any("timing stopped" in n for n in notes))
     assert stopped == [True, False, False], stopped
     assert probes[0] <= 1 and probes[1] > probes[0] and probes[2] == 0, probes
+
+
+@pytest.mark.parametrize(
+    ("samples", "workset", "chosen", "most"),
+    [(4, 100, 100, 16), (4, 200, 100, 8), (4, 1000, 100, 4), (4, 50, 100, 16), (4, 100, 0, 16)],
+    ids=["as-chosen", "twice", "over-growth", "half", "unplanned"],
+)
+def test_growth_bounds_what_is_timed_by_the_estimates_working_set(
+    samples: int, workset: int, chosen: int, most: int
+) -> None:
+    """A candidate over GROWTH x the estimate's choice's working set is not timed, and a call
+    grows its samples only while its working set stays within that (at least as it is, at
+    most GROWTH x its samples)."""
+    assert _tuning.GROWTH == 4
+    assert _tuning.grows(workset, chosen) is (chosen > 0 and workset > 4 * chosen)
+    assert _tuning.grown(samples, workset, chosen) == most
+
+
+def test_a_route_over_growth_is_not_timed(measuring) -> None:
+    """Timing the routes: forward mode with generic entries of 24 entries selected by index
+    of a wide weight holds a tangent of the whole weight per entry and sample (the memory
+    model counts it), over GROWTH x the structured route the estimate chose: it is not run,
+    and a note says so with both working sets."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 256), nn.Tanh(), nn.Linear(256, 3)).eval()
+    subset = mj.ParamSubset.from_indices(model, {"0.weight": torch.arange(0, 24 * 97, 97)})
+    x = torch.randn(64, 512)
+    res = mj.per_sample_jacobian(model, x, params=subset, mode="fwd", tune="measure")
+    assert res.structured == ("0.weight",)
+    (note,) = [n for n in res.notes if n.startswith("tune: not timed")]
+    assert "vmap/fwd/generic" in note and "MiB" in note, note
+    timed = [n for n in res.notes if n.startswith("tune: timed")]
+    assert all("generic" not in n for n in timed), timed
