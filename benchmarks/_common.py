@@ -77,7 +77,10 @@ MEMORY_CAVEAT_CPU = (
     "the setup itself peaked above the baseline (ru_maxrss is a high-water mark). Linux folds "
     "the parent's peak into a child's ru_maxrss at exec, so the workers are started before the "
     "main process builds anything, and /proc/self/status VmHWM is used instead when ru_maxrss "
-    "still exceeds it (ru_maxrss_inherited)."
+    "still exceeds it (ru_maxrss_inherited). The bench_peers memory workers import "
+    "torch._dynamo before the baseline: torch imports it on a process's first vmap of some "
+    "ops (a conv with per-sample weights), about 70 MiB once, which the code users write "
+    "pays too; a one-time cost, not a working set."
 )
 MEMORY_CAVEAT_CUDA = (
     "torch.cuda.max_memory_allocated() after one call minus memory_allocated() before it "

@@ -1624,6 +1624,7 @@ def memory_worker(args: argparse.Namespace) -> int:
     name, method = args.worker_mem
     spot = Spot.parse(name)
     torch.set_num_threads(args.threads)
+    importlib.import_module("torch._dynamo")  # a one-time import: MEMORY_CAVEAT_CPU
     cell = spot.build(args)
     if method == CHOSEN:  # auto's route forced, nothing timed: the reference of auto's peak
         prepare = library(tune=False, **json.loads(args.route))

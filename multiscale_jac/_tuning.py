@@ -31,6 +31,10 @@ The rules (one meaning everywhere):
   estimate's choice: larger calls or chunks are tried up to that many times the planned size;
   under a ``memory_budget`` nothing is timed at all (the budget is a promise, a candidate's
   working set an estimate).
+- **Release**: after each timed run, freed CPU memory goes back to the system (glibc's
+  ``malloc_trim``, where the C library has it): otherwise one candidate's freed heap stays
+  resident under the next's, and the peak of a call that timed two routes is their sum
+  rather than the larger.
 - **Switch**: :func:`auto_measures` says whether ``tune="auto"`` may measure at all; the tests'
   fixture turns it off so that routes follow the cost model alone (``tune="measure"`` still
   measures, ``tune=False`` never does).
@@ -48,6 +52,8 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import enum
 import functools
@@ -92,6 +98,7 @@ __all__ = [
     "pick",
     "portable_key",
     "register_types",
+    "release",
     "save",
     "seconds",
     "set_auto_measures",
@@ -228,6 +235,7 @@ def time_candidates(
             return done[-1]
 
         per_unit = _time_one(k, call, devices)
+        release()
         if per_unit is not None and done and done[-1] is not None:
             spent[0] += per_unit * max(done[-1], 1e-12)
             spent[1] += done[-1]
@@ -259,9 +267,26 @@ def time_candidates(
     for k in [k for k, t in times.items() if t <= retime * best]:
         COUNTS["probe"] += 1
         t = _time_one(k, run, devices)
+        release()
         if t is not None:
             times[k] = min(times[k], t)
     return times
+
+
+@functools.cache
+def _trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or ``None`` where the C library has none (macOS, musl)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release() -> None:
+    """Give freed CPU heap memory back to the system (the rule **release**)."""
+    trim = _trim()
+    if trim is not None:
+        trim(0)
 
 
 def _time_one(k: K, fn: Callable[[K], float | None], devices: list[torch.device]) -> float | None:

@@ -445,3 +445,20 @@ def test_a_route_over_growth_is_not_timed(measuring) -> None:
     assert "vmap/fwd/generic" in note and "MiB" in note, note
     timed = [n for n in res.notes if n.startswith("tune: timed")]
     assert all("generic" not in n for n in timed), timed
+
+
+def test_freed_memory_is_released_after_every_timed_run(fake_clock, monkeypatch) -> None:
+    """The rule **release**: after each warm-up and timed run (retimes included) the loop
+    gives freed heap memory back, so one candidate's freed memory does not stay resident
+    under the next's."""
+    released, runs = [], []
+    monkeypatch.setattr(_tuning, "release", lambda: released.append(len(runs)))
+
+    def run(k: str) -> float:
+        runs.append(k)
+        fake_clock[0] = {"a": 1.0, "b": 1.5}[k]
+        return 1.0
+
+    _tuning.time_candidates(["a", "b"], run)
+    assert len(runs) == 6  # warm-up, timed, retimed: both within RETIME
+    assert released == [1, 2, 3, 4, 5, 6]
