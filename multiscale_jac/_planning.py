@@ -54,6 +54,7 @@ __all__ = [
     "measure",
     "engine_minimum",
     "decision",
+    "default_workset",
     "plan_chunks",
     "plan_key",
     "plan_seconds",
@@ -84,6 +85,11 @@ class EngineOptions:
 #: given: small on CPU (cache-friendly; measured fastest on the ConvBlock
 #: subset workload), larger on GPUs.
 DEFAULT_WORKSET_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
+
+
+def default_workset(device: torch.device) -> int:
+    """:data:`DEFAULT_WORKSET_BYTES` of ``device``'s type (CUDA's for other accelerators)."""
+    return DEFAULT_WORKSET_BYTES.get(device.type, DEFAULT_WORKSET_BYTES["cuda"])
 
 
 def even_chunk(k: int, bucket: int) -> int:
@@ -224,7 +230,7 @@ def plan_chunks(
 
     full = sample(full_inner, bound)
     if available is None:
-        target = DEFAULT_WORKSET_BYTES.get(device.type, DEFAULT_WORKSET_BYTES["cuda"])
+        target = default_workset(device)
         n = chunk_size or max(1, target // max(full, 1))
         return Plan(min(n, bucket_size), None)
     n = chunk_size or max(1, available // max(full, 1))

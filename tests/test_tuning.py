@@ -431,14 +431,15 @@ def test_growth_bounds_what_is_timed_by_the_estimates_working_set(
 
 
 def test_a_route_over_growth_is_not_timed(measuring) -> None:
-    """Timing the routes: forward mode with generic entries of 24 entries selected by index
-    of a wide weight holds a tangent of the whole weight per entry and sample (the memory
-    model counts it), over GROWTH x the structured route the estimate chose: it is not run,
-    and a note says so with both working sets."""
+    """Timing the routes: forward mode with generic entries of 96 entries selected by index
+    of a wide weight holds a tangent of the whole (512, 2048) weight per entry and sample
+    (the memory model counts it: 4 MiB each), over GROWTH x the default working set (the
+    structured route the estimate chose holds less): it is not run, and a note says so with
+    both working sets."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 256), nn.Tanh(), nn.Linear(256, 3)).eval()
-    subset = mj.ParamSubset.from_indices(model, {"0.weight": torch.arange(0, 24 * 97, 97)})
-    x = torch.randn(64, 512)
+    model = nn.Sequential(nn.Linear(2048, 512), nn.Tanh(), nn.Linear(512, 3)).eval()
+    subset = mj.ParamSubset.from_indices(model, {"0.weight": torch.arange(0, 96 * 97, 97)})
+    x = torch.randn(64, 2048)
     res = mj.per_sample_jacobian(model, x, params=subset, mode="fwd", tune="measure")
     assert res.structured == ("0.weight",)
     (note,) = [n for n in res.notes if n.startswith("tune: not timed")]
