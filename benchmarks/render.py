@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -423,6 +424,40 @@ def guide_figures(results: dict[str, Any], workload: str, models: Iterable[str],
     return text + "; the runs are listed on [the benchmark page](benchmarks.md#runs)."
 
 
+def _span(xs: list[float], fmt: str) -> str:
+    lo, hi = fmt.format(min(xs)), fmt.format(max(xs))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def ci_times(results: dict[str, Any]) -> str:
+    """``ci.json``: the suite's and the fast tier's times in the CI runs it holds (``.ci/run``
+    prints a run's record, ``--ci-run``; the runs kept are clean clones on 2 cores)."""
+    runs, last = results["runs"], results["runs"][-1]
+    suite = _span([r["suite"]["seconds"] / 60 for r in runs], "{:.1f}")
+    fast = _span([r["fast"]["seconds"] for r in runs], "{:.0f}")
+    return (
+        f"In CI (`bash .ci/run` on a clean clone, 2 CPU cores; {len(runs)} run(s), the last at "
+        f"{last['commit'][:7]}), the whole suite ({last['suite']['tests']:,} tests) took "
+        f'{suite} minutes and the fast tier, `python -m pytest -m "not slow"`, '
+        f"{last['fast']['tests']:,} of them, {fast} s.\n"
+    )
+
+
+def ci_run(suite_log: str, fast_log: str) -> dict[str, Any]:
+    """A CI run's record from pytest's summary lines (``.ci/run``)."""
+
+    def summary(path: str) -> dict[str, Any]:
+        line = Path(path).read_text().strip().splitlines()[-1]
+        counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|skipped|xfailed|failed)", line)}
+        seconds = float(re.search(r" in ([\d.]+)s", line)[1])  # type: ignore[index]
+        ran = sum(v for k, v in counts.items() if k != "skipped")
+        return {"seconds": seconds, "tests": ran, **counts}
+
+    git = ["git", "-C", str(ROOT), "log", "-1", "--format=%H %cs"]
+    commit, date = subprocess.run(git, capture_output=True, text=True).stdout.split()
+    return {"commit": commit, "date": date, "suite": summary(suite_log), "fast": summary(fast_log)}
+
+
 def laplace_diag_table(results: dict[str, Any]) -> str:
     """``bench_laplace_diag.json`` (the former ``bench_laplace.py --diag``): seconds and
     training steps against the mean of a training step timed before and after."""
@@ -474,6 +509,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
         r, "jacnorm", ("cnn3", "cnn8"), "the value and its gradient"
     ),
     "laplace-diag": laplace_diag_table,
+    "ci": ci_times,
     "packing": packing_table,
 }
 #: the report's section per named grid
@@ -687,6 +723,9 @@ def update_pages(root: Path = ROOT) -> list[Path]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--ci-run"]:
+        print(json.dumps(ci_run(*sys.argv[2:4]), indent=1))
+        sys.exit(0)
     if "--check" in sys.argv:
         stale = stale_blocks()
         print("\n".join(stale) or "every block matches its results file")
