@@ -91,10 +91,9 @@ class LiveBytes(TorchDispatchMode):
         inputs = {_storage(t)[1] for t in tree_flatten((args, kwargs))[0]}
         for t in tree_flatten(out)[0]:
             storage, key = _storage(t)
-            if storage is not None:
-                if key and key not in self.live and key not in inputs:
-                    self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-                    self.now += storage.nbytes()
+            if storage is not None and key and key not in self.live and key not in inputs:
+                self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                self.now += storage.nbytes()
         self.peak = max(self.peak, self.now)
         return out
 
