@@ -8,10 +8,11 @@ Only the standard library and torch. Import it from a script in this folder as
   :func:`load_average` (timings on a shared machine are only as good as its load).
 * The one timing method, ``torch.utils.benchmark.Timer``: :func:`timer_median` (warm calls),
   :func:`timed_call` (one call: a first call); :func:`time_limit` (SIGALRM).
-* :func:`rss_bytes`, :func:`peak_rss_bytes`, :func:`vmhwm_bytes`, :func:`measure_peak_memory`:
-  peak memory of one call, meant to run in a fresh worker process; :func:`run_worker` starts
-  such a process and reads back the one-line JSON it prints. Start workers while the parent is
-  still small: Linux carries the parent's peak RSS into the child's ``ru_maxrss`` at exec.
+* :func:`rss_bytes`, :func:`peak_rss_bytes`, :func:`vmhwm_bytes`, :func:`reset_vmhwm`,
+  :func:`measure_peak_memory`: peak memory of one call, meant to run in a fresh worker process;
+  :func:`run_worker` starts such a process and reads back the one-line JSON it prints. Start
+  workers while the parent is still small: Linux carries the parent's peak RSS into the child's
+  ``ru_maxrss`` at exec.
 * :func:`write_json`: atomic JSON writing (``*.tmp`` then rename).
 * :func:`markdown_table`, :func:`fmt_seconds`, :func:`fmt_bytes`, :func:`fmt_float`: the table.
 """
@@ -59,6 +60,7 @@ __all__ = [
     "peak_rss_bytes",
     "rss_bytes",
     "vmhwm_bytes",
+    "reset_vmhwm",
     "run_worker",
     "sync",
     "time_limit",
@@ -70,17 +72,16 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 MEMORY_CAVEAT_CPU = (
-    "peak RSS rise over the post-setup baseline: ru_maxrss (the process's lifetime peak "
-    "resident set) after one call, minus the resident set read from /proc/self/statm after "
-    "imports, model and input construction, in a fresh process. It includes allocator caching "
-    "and one-time costs of the first call (kernel/dispatcher set-up), and it under-reports if "
-    "the setup itself peaked above the baseline (ru_maxrss is a high-water mark). Linux folds "
-    "the parent's peak into a child's ru_maxrss at exec, so the workers are started before the "
-    "main process builds anything, and /proc/self/status VmHWM is used instead when ru_maxrss "
-    "still exceeds it (ru_maxrss_inherited). The bench_peers memory workers import "
-    "torch._dynamo before the baseline: torch imports it on a process's first vmap of some "
-    "ops (a conv with per-sample weights), about 70 MiB once, which the code users write "
-    "pays too; a one-time cost, not a working set."
+    "peak RSS rise over the post-setup baseline, in a fresh process: the resident set read "
+    "from /proc/self/statm after imports, model and input construction, then the peak resident "
+    "set of one call, read as /proc/self/status VmHWM after resetting it (writing 5 to "
+    "/proc/self/clear_refs) just before the call, so a setup that peaked higher does not count "
+    "(vmhwm_reset). Where the reset is refused, ru_maxrss (the lifetime peak) after the call "
+    "stands in, and over-reports if the setup peaked above the baseline. It includes allocator "
+    "caching and one-time costs of the first call (kernel/dispatcher set-up). The bench_peers "
+    "memory workers import torch._dynamo before the baseline: torch imports it on a process's "
+    "first vmap of some ops (a conv with per-sample weights), about 70 MiB once, which the "
+    "code users write pays too; a one-time cost, not a working set."
 )
 MEMORY_CAVEAT_CUDA = (
     "torch.cuda.max_memory_allocated() after one call minus memory_allocated() before it "
@@ -301,15 +302,27 @@ def vmhwm_bytes() -> int | None:
     return None
 
 
+def reset_vmhwm() -> bool:
+    """Reset this process's ``VmHWM`` to its current resident set (``5`` into
+    ``/proc/self/clear_refs``, Linux 4.0+); ``False`` where that is refused or absent."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def measure_peak_memory(fn: Callable[[], Any], device: str | torch.device) -> dict[str, Any]:
     """Peak memory of one call of ``fn``; call it once, in a fresh process, after setup.
 
-    CPU: peak RSS rise over the post-setup baseline (see :data:`MEMORY_CAVEAT_CPU`):
-    ``ru_maxrss * 1024`` after the call minus the ``/proc/self/statm`` resident set before it.
-    If ``ru_maxrss`` still holds a peak inherited from the parent process (it exceeds this
-    process's own ``VmHWM``), the ``VmHWM`` rise is reported instead and
-    ``ru_maxrss_inherited`` is set. CUDA: peak allocated device memory over the pre-call
-    allocation (:data:`MEMORY_CAVEAT_CUDA`), plus the host figures.
+    CPU: peak RSS rise over the post-setup baseline (see :data:`MEMORY_CAVEAT_CPU`): the
+    ``/proc/self/statm`` resident set before the call, and the call's own peak as ``VmHWM``
+    reset just before it (``vmhwm_reset``); where the reset is refused, ``ru_maxrss * 1024``
+    after the call (a lifetime peak, so a setup that peaked higher over-reports), or ``VmHWM``
+    when ``ru_maxrss`` holds a peak inherited from the parent (``ru_maxrss_inherited``). CUDA:
+    peak allocated device memory over the pre-call allocation (:data:`MEMORY_CAVEAT_CUDA`),
+    plus the host figures.
     """
     device = torch.device(device)
     gc.collect()
@@ -323,6 +336,7 @@ def measure_peak_memory(fn: Callable[[], Any], device: str | torch.device) -> di
     if base is None:  # no /proc: fall back to the peak so far (the rise is then a lower bound)
         base, base_kind = peak_rss_bytes(), "ru_maxrss"
     ru_before, hwm_before = peak_rss_bytes(), vmhwm_bytes()
+    reset = hwm_before is not None and reset_vmhwm()
     out = fn()
     sync(device)
     ru_after, hwm_after = peak_rss_bytes(), vmhwm_bytes()
@@ -337,9 +351,11 @@ def measure_peak_memory(fn: Callable[[], Any], device: str | torch.device) -> di
         "ru_maxrss_after_bytes": ru_after,
         "vmhwm_before_bytes": hwm_before,
         "vmhwm_after_bytes": hwm_after,
+        "vmhwm_reset": reset,
         "ru_maxrss_inherited": inherited,
     }
-    cpu_peak = rec["vmhwm_rise_bytes"] if inherited else rec["peak_rss_rise_bytes"]
+    by_hwm = reset or inherited
+    cpu_peak = rec["vmhwm_rise_bytes"] if by_hwm else rec["peak_rss_rise_bytes"]
     if cuda:
         rec["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device) - cuda_base)
         rec["cuda_device_name"] = torch.cuda.get_device_name(device)
@@ -347,7 +363,7 @@ def measure_peak_memory(fn: Callable[[], Any], device: str | torch.device) -> di
         rec["memory_kind"] = "cuda_max_memory_allocated_rise"
     else:
         rec["peak_memory_bytes"] = cpu_peak
-        rec["memory_kind"] = "cpu_vmhwm_rise" if inherited else "cpu_peak_rss_rise"
+        rec["memory_kind"] = "cpu_vmhwm_rise" if by_hwm else "cpu_peak_rss_rise"
     del out
     return rec
 

@@ -251,11 +251,16 @@ def first_call_table(results: dict[str, Any]) -> str:
                 num(ratio.get("warm")),
                 num(ratio.get("loaded")),
                 num(ratio.get("rss")),
+                mib(c.get("budget", {}).get("peak_memory_bytes")),
+                mib(c.get("overhead", {}).get("peak_memory_bytes")),
+                num(ratio.get("budget")),
                 ", ".join(c.get("over_target", [])) or "-",
             ]
         )
     head = ["cell", "auto first s", "user first s", "first / user first", "warm / user warm"]
-    return table([*head, "loaded / allowance", "RSS / tune=False", "over target"], rows)
+    budget = "(budgeted - overhead) / budget"
+    head += ["loaded / allowance", "RSS / tune=False", "budgeted RSS", "overhead", budget]
+    return table([*head, "over target"], rows)
 
 
 def busy(load: list[Any], threads: int) -> str:
@@ -436,7 +441,8 @@ def ci_times(results: dict[str, Any]) -> str:
     suite = _span([r["suite"]["seconds"] / 60 for r in runs], "{:.1f}")
     fast = _span([r["fast"]["seconds"] for r in runs], "{:.0f}")
     return (
-        f"In CI (`bash .ci/run` on a clean clone, 2 CPU cores; {len(runs)} run(s), the last at "
+        f"In CI (`bash .ci/run` on a clean clone, 2 CPU cores; "
+        f"{len(runs)} run{'s' * (len(runs) > 1)}, the last at "
         f"{last['commit'][:7]}), the whole suite ({last['suite']['tests']:,} tests) took "
         f'{suite} minutes and the fast tier, `python -m pytest -m "not slow"`, '
         f"{last['fast']['tests']:,} of them, {fast} s.\n"
