@@ -1103,12 +1103,8 @@ def library(tune: Any = None, **kw: Any) -> Prepare:
                 res = mj.per_sample_jacobian(model, batch.inputs, **subset, **opts)
                 value = res.jacobian
                 info = {k: str(getattr(res, k, None)) for k in ("strategy", "mode", "fallback")}
-                info["chosen"] = {
-                    "strategy": str(res.strategy),
-                    "mode": str(res.mode),
-                    **({"entries": "generic"} if not res.structured else {}),
-                    **({"chunk_size": res.chunk_size} if res.chunk_size else {}),
-                }
+                info["chosen"] = {"strategy": str(res.strategy), "mode": str(res.mode)}
+                info["chosen"].update(_route_of(res))
                 info["notes"] = [str(n)[:200] for n in list(getattr(res, "notes", ()) or ())[:6]]
             elif w == "fisher":
                 res = mj.diag_fisher(model, [(batch.inputs, batch.targets)], **opts)
@@ -1132,8 +1128,11 @@ def library(tune: Any = None, **kw: Any) -> Prepare:
                 info["notes"] = [n[:300] for n in notes[:6]]
             else:
                 la = mj.SubnetLaplace(model, "classification", cell.subset, **opts)
-                la.fit([(batch.inputs, batch.targets)])
+                with _engine_routes() as routes:
+                    la.fit([(batch.inputs, batch.targets)])
                 value = la.H
+                if routes:  # what SubnetLaplace takes of a route: entries, samples per call
+                    info["chosen"] = max(routes, key=lambda r: r.get("chunk_size", 0))
             after = mj.plan_cache_info()
             info["probed"] = after.probed - before.probed
             return LibraryResult(value, info)
@@ -1153,6 +1152,34 @@ def sliced_budget(cell: Cell, model: nn.Module, slices: int = 20) -> int:
     except mj.MemoryBudgetError as err:
         least = err.minimum
     return least + cell.batch.o_max // slices * 6 * cell.subset.numel * 4
+
+
+def _route_of(res: Any) -> dict[str, Any]:
+    """The entries (where generic) and samples per call of a ``JacobianResult``."""
+    return {
+        **({"entries": "generic"} if not res.structured else {}),
+        **({"chunk_size": res.chunk_size} if res.chunk_size else {}),
+    }
+
+
+@contextmanager
+def _engine_routes() -> Iterator[list[dict[str, Any]]]:
+    """The routes (:func:`_route_of`) of the engine calls a Laplace fit makes in the block."""
+    from multiscale_jac.laplace import _curvature
+
+    routes: list[dict[str, Any]] = []
+    run = _curvature.run_engine
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        res = run(*args, **kwargs)
+        routes.append(_route_of(res))
+        return res
+
+    _curvature.run_engine = spy
+    try:
+        yield routes
+    finally:
+        _curvature.run_engine = run
 
 
 @contextmanager
@@ -1639,6 +1666,11 @@ def memory_worker(args: argparse.Namespace) -> int:
     out: list[Any] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if method == CHOSEN or method.startswith("library"):
+            # the library's one-time costs paid alike: its full planning (a structured
+            # survey's code paths: 13 MiB on subset/tanh_cnn) also where auto's slice call
+            # takes the small-job path and a forced route's does not
+            library(tune=False)(cell, copy.deepcopy(cell.model))(cell.small())
         run(cell.small())
         rec = measure_peak_memory(lambda: out.append(run(cell.batch)), args.device)
     if method == "library_auto":
@@ -1894,18 +1926,8 @@ def run_cell(
         if r.get("peak_memory_bytes") is not None and base:
             r["memory_ratio_to_train_step"] = r["peak_memory_bytes"] / base
     auto = ms.get("library_auto", {})
-    chosen = (auto.get("memory") or {}).get("chosen")
-    if auto.get("peak_memory_bytes") and chosen is not None and memory != "none":
-        # auto, its timing included, against the route it ran forced with tune=False
-        mem = run_worker(
-            [str(SCRIPT), *args.argv, "--worker-mem", name, CHOSEN, "--route", json.dumps(chosen)],
-            timeout_s=args.timeout,
-        )
-        auto.update(chosen_route=chosen, chosen_route_memory=mem)
-        if mem.get("peak_memory_bytes"):
-            rec["auto_memory_over_chosen_route"] = (
-                auto["peak_memory_bytes"] / mem["peak_memory_bytes"]
-            )
+    if auto.get("peak_memory_bytes") and memory != "none":
+        _auto_against_chosen(name, auto, rec, args)
     rec["cell_seconds"] = round(time.perf_counter() - t0, 1)
     lob, aor = rec.get("library_over_best_other"), rec.get("auto_over_best_route")
     log(
@@ -1913,6 +1935,46 @@ def run_cell(
         f"route ({rec.get('best_route')}) = {aor} ({rec['cell_seconds']} s)"
     )
     return rec
+
+
+#: auto's peak memory against its route forced: pairs of fresh processes (auto, then the route
+#: it ran forced with tune=False), medians: one process's RSS rise of a small call varied by
+#: 5-10 MiB (subset/vgg11_bn_q's route: 11.6-17.0 MiB)
+MEMORY_PAIRS = 3
+
+
+def _auto_against_chosen(
+    name: str, auto: dict[str, Any], rec: dict[str, Any], args: argparse.Namespace
+) -> None:
+    """auto, its timing included, against the route it ran (``chosen``: strategy, mode,
+    entries, samples per call; or method and chunk) forced with ``tune=False``, each a fresh
+    process, :data:`MEMORY_PAIRS` pairs (auto's first from the method's own measurement)."""
+    autos, forced = [auto["memory"]], []
+    for i in range(MEMORY_PAIRS):
+        if i:
+            autos.append(
+                run_worker(
+                    [str(SCRIPT), *args.argv, "--worker-mem", name, "library_auto"],
+                    timeout_s=args.timeout,
+                )
+            )
+        chosen = autos[-1].get("chosen")
+        if chosen is None:
+            return
+        route = ["--worker-mem", name, CHOSEN, "--route", json.dumps(chosen)]
+        forced.append(run_worker([str(SCRIPT), *args.argv, *route], timeout_s=args.timeout))
+    peaks = [[r.get("peak_memory_bytes") for r in rs] for rs in (autos, forced)]
+    if not all(all(peak) for peak in peaks):
+        auto.update(chosen_route_memory=forced[-1])
+        return
+    auto_peak, forced_peak = (median(peak) for peak in peaks)
+    auto.update(
+        chosen_route=autos[0]["chosen"],
+        chosen_route_memory={**forced[0], "peak_memory_bytes": forced_peak},
+        memory_pairs={"auto": autos, "chosen": forced},
+        peak_memory_median_bytes=auto_peak,
+    )
+    rec["auto_memory_over_chosen_route"] = auto_peak / forced_peak
 
 
 def _counters() -> dict[str, int]:
