@@ -164,7 +164,8 @@ def choice_table(results: dict[str, Any]) -> str:
         f"{len(ratios)} cells of the {' and '.join(f'`{f}`' for f in fams)} grids; auto / the "
         f"fastest forced route: median {num(median(ratios))}, largest {num(max(ratios))}; "
         "memory: auto's peak memory, its timing included, over the route it ran (strategy, "
-        "mode, entries and samples per call, or method and chunk) forced with `tune=False`."
+        "mode, entries and samples per call, or method and chunk) forced with `tune=False` "
+        "(from run 16 on: medians of 3 pairs of fresh processes, each after the same warm-up)."
         if ratios
         else "No cells measured."
     )
