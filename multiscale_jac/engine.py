@@ -51,6 +51,7 @@ from ._planning import (
     span_tensor,
 )
 from ._tuning import (
+    BUDGET_NOTE,
     COUNTS,
     GROWTH,
     PAYS,
@@ -66,6 +67,7 @@ from ._tuning import (
     pick,
     seconds,
     time_candidates,
+    under_budget,
 )
 from ._tuning import clear as clear_decisions
 from .adapter import PerSampleFunction
@@ -302,11 +304,8 @@ class _RouteTiming:
         if o.entries is Entries.AUTO and plan.structured:
             entries.append(Entries.GENERIC)  # the structured passes' cost is a guess too
         candidates = [(s, m, e) for s in strategies for m in modes for e in entries]
-        if o.tune is Tune.AUTO and o.memory_budget is not None:
-            # the budget is a promise and a candidate's working set an estimate: timing the
-            # alternatives once raised the peak RSS of a call under a 120 MiB budget to
-            # 114-131 MiB, against 23 MiB for the chosen route alone (tests/test_entries.py)
-            self.notes.append("tune: nothing timed under memory_budget (the estimate chose)")
+        if under_budget(o.tune, o.memory_budget):
+            self.notes.append(BUDGET_NOTE)
             return ran, plan
         if o.tune is Tune.ESTIMATE or (len(candidates) < 2 and not self.resizable(plan)):
             return ran, plan

@@ -60,6 +60,7 @@ from ._memory import cpu_chunk_cap, fisher_chunks, fisher_kept, fisher_sample
 from ._planning import EngineOptions, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from ._tuning import (
+    BUDGET_NOTE,
     GROWTH,
     PLAN_CACHE,
     auto_measures,
@@ -69,6 +70,7 @@ from ._tuning import (
     pick,
     register_types,
     time_candidates,
+    under_budget,
 )
 from .adapter import PerSampleFunction
 from .engine import run_engine
@@ -376,6 +378,9 @@ class _FisherTuning:
         if self.opts.tune is not Tune.MEASURE and (
             not auto_measures() or len(packed) < MIN_TUNE_SAMPLES
         ):
+            return False
+        if under_budget(self.opts.tune, self.opts.memory_budget):
+            self.notes.append(BUDGET_NOTE)
             return False
         bucket = max(packed.buckets(), key=lambda b: len(b.indices))
         n = len(bucket.indices)

@@ -49,6 +49,7 @@ from ._planning import (
 )
 from ._stream import with_progress
 from ._tuning import (
+    BUDGET_NOTE,
     GROWTH,
     PLAN_CACHE,
     RETIME,
@@ -59,6 +60,7 @@ from ._tuning import (
     pick,
     register_types,
     time_candidates,
+    under_budget,
 )
 from .enums import (
     BatchNormPolicy,
@@ -426,6 +428,9 @@ class _Job:
         largest = max(len(b.indices) for b in self.packed.buckets())
         routes, needed = self._trial_routes(tune, largest)
         if tune is Tune.ESTIMATE or len(routes) < 2 or (tune is Tune.AUTO and not auto_measures()):
+            return
+        if under_budget(tune, self._sizing[1]):
+            self.notes.append(BUDGET_NOTE)
             return
         if tune is Tune.AUTO and largest < needed:
             self.notes.append(

@@ -463,3 +463,38 @@ def test_freed_memory_is_released_after_every_timed_run(fake_clock, monkeypatch)
     _tuning.time_candidates(["a", "b"], run)
     assert len(runs) == 6  # warm-up, timed, retimed: both within RETIME
     assert released == [1, 2, 3, 4, 5, 6]
+
+
+def _budgeted(tune: str, monkeypatch) -> list[list[str]]:
+    """The engine (ragged), the Fisher and the Jacobian-norm regulariser under a budget large
+    enough for every route: their notes."""
+    from multiscale_jac import jacnorm
+
+    jobs: list[object] = []
+    init = jacnorm._Job.__init__
+
+    def spy(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        jobs.append(self)
+
+    monkeypatch.setattr(jacnorm._Job, "__init__", spy)
+    budget = 64 * 2**20
+    fcn = _Fcn().to(DTYPE)
+    jac = mj.per_sample_jacobian(fcn, _ragged(), params="head.*", tune=tune, memory_budget=budget)
+    fisher = mj.diag_fisher(_net(), _data(), tune=tune, memory_budget=budget)
+    mj.jacobian_sq_norm(_net(), _data(70)[0][0], tune=tune, memory_budget=budget)
+    norm = [n for job in jobs for n in job.notes]  # type: ignore[attr-defined]
+    return [list(jac.notes), list(fisher.notes), norm]
+
+
+def test_under_a_budget_auto_times_nothing_on_any_entry_point(measuring, monkeypatch) -> None:
+    """The rule **budget** (``_tuning.under_budget``): ``tune="auto"`` with a ``memory_budget``
+    runs the estimate's choice on every entry point (no probe, the note says why), where
+    ``tune="measure"`` times the same jobs."""
+    probes = _tuning.COUNTS["probe"]
+    for notes in _budgeted("auto", monkeypatch):
+        assert _tuning.BUDGET_NOTE in notes, notes
+    assert _tuning.COUNTS["probe"] == probes
+    mj.clear_plan_cache()
+    _budgeted("measure", monkeypatch)
+    assert _tuning.COUNTS["probe"] > probes
