@@ -138,6 +138,18 @@ def main_table(
     return table(head, rows)
 
 
+def _memory_pair(c: dict[str, Any]) -> str:
+    """auto's peak memory over its route forced, with both (a ratio of rises near zero says
+    little on its own)."""
+    ratio = c.get("auto_memory_over_chosen_route")
+    if ratio is None:
+        return "-"
+    auto = method(c, "library_auto")
+    ours = auto.get("peak_memory_median_bytes", auto.get("peak_memory_bytes"))
+    forced = (auto.get("chosen_route_memory") or {}).get("peak_memory_bytes")
+    return f"{num(ratio)} ({mib(ours)} / {mib(forced)})"
+
+
 def choice_table(results: dict[str, Any]) -> str:
     """auto against the fastest forced route per cell: the choice family's cell where one was
     measured, else the main family's (both time auto and every forced route); with auto's
@@ -152,13 +164,14 @@ def choice_table(results: dict[str, Any]) -> str:
             route(c.get("best_route")),
             secs(c.get("best_route_seconds")),
             num(c.get("auto_over_best_route")),
-            num(c.get("auto_memory_over_chosen_route")),
+            _memory_pair(c),
             c.get("run"),
         ]
         for c in chosen.values()
     ]
     ratios = [c["auto_over_best_route"] for c in chosen.values() if c.get("auto_over_best_route")]
-    head = ["cell", "auto s", "fastest forced route", "route s", "auto / route", "memory", "run"]
+    head = ["cell", "auto s", "fastest forced route", "route s", "auto / route"]
+    head += ["memory: auto / forced", "run"]
     fams = sorted({c["family"] for c in chosen.values()})
     summary = (
         f"{len(ratios)} cells of the {' and '.join(f'`{f}`' for f in fams)} grids; auto / the "
