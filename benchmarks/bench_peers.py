@@ -1508,7 +1508,8 @@ def interleave(
             run = m.prepare(cell, copy.deepcopy(cell.model) if m.is_library else cell.model)
             # warm: plans cached, buffers allocated; a library method twice, as auto measures
             # on a job's second call (a first call runs the estimate and defers)
-            res = [run(cell.batch) for _ in range(2 if m.is_library else 1)][-1]
+            for _ in range(2 if m.is_library else 1):
+                res = run(cell.batch)
             if isinstance(res, LibraryResult):  # the library chose again (cache cleared since)
                 results[m.name]["library_rounds"] = res.info
             timers[m.name] = Timer(
@@ -1971,7 +1972,7 @@ def _auto_against_chosen(
         route = ["--worker-mem", name, CHOSEN, "--route", json.dumps(chosen)]
         forced.append(run_worker([str(SCRIPT), *args.argv, *route], timeout_s=args.timeout))
     peaks = [[r.get("peak_memory_bytes") for r in rs] for rs in (autos, forced)]
-    if not all(all(peak) for peak in peaks):
+    if any(None in peak for peak in peaks):
         auto.update(chosen_route_memory=forced[-1])
         return
     auto_peak, forced_peak = (median(peak) for peak in peaks)
@@ -1981,7 +1982,7 @@ def _auto_against_chosen(
         memory_pairs={"auto": autos, "chosen": forced},
         peak_memory_median_bytes=auto_peak,
     )
-    rec["auto_memory_over_chosen_route"] = auto_peak / forced_peak
+    rec["auto_memory_over_chosen_route"] = _div(auto_peak, forced_peak)
 
 
 def _counters() -> dict[str, int]:
@@ -2089,6 +2090,8 @@ def run_roles(spot: Spot, args: argparse.Namespace) -> dict[str, Any]:
     for role in ROLES:
         rec[role] = _median_role(runs[role])
     lib, user, est, loaded, budget, overhead = (rec[r] for r in ROLES)
+    cap = first_budget(spot.workload)
+    budgeted = [r.get("peak_memory_bytes") for r in (budget, overhead)]
     one_time = None
     if user.get("first_seconds") is not None and user.get("warm_seconds") is not None:
         one_time = max(user["first_seconds"] - user["warm_seconds"], 0.0)
@@ -2101,14 +2104,9 @@ def run_roles(spot: Spot, args: argparse.Namespace) -> dict[str, Any]:
         "loaded": _div(loaded.get("first_seconds"), allowance),
         "rss": _div(lib.get("peak_memory_bytes"), est.get("peak_memory_bytes")),
         # the budgeted call's rise less the fixed overhead, over the budget
-        "budget": _div(
-            None
-            if budget.get("peak_memory_bytes") is None or overhead.get("peak_memory_bytes") is None
-            else budget["peak_memory_bytes"] - overhead["peak_memory_bytes"],
-            first_budget(spot.workload),
-        ),
+        "budget": None if None in budgeted else _div(budgeted[0] - budgeted[1], cap),
     }
-    rec["budget_bytes"] = first_budget(spot.workload)
+    rec["budget_bytes"] = cap
     rec["user_one_time_seconds"] = one_time
     targets = {**FIRST_TARGETS, "loaded": 1.0}
     rec["over_target"] = [k for k, t in targets.items() if (ratios[k] or 0) > t]

@@ -74,6 +74,7 @@ import torch
 from .enums import Tune
 
 __all__ = [
+    "BUDGET_NOTE",
     "COUNTS",
     "ENV_VAR",
     "GROWTH",
@@ -90,8 +91,6 @@ __all__ = [
     "defer",
     "deferred_before",
     "deferred_note",
-    "BUDGET_NOTE",
-    "under_budget",
     "environment",
     "grown",
     "grows",
@@ -106,6 +105,7 @@ __all__ = [
     "set_auto_measures",
     "stopwatch",
     "time_candidates",
+    "under_budget",
 ]
 
 K = TypeVar("K", bound=Hashable)
@@ -145,14 +145,19 @@ def auto_measures() -> bool:
 BUDGET_NOTE = "tune: nothing timed under memory_budget (the estimate chose)"
 
 
-def under_budget(tune: Tune, memory_budget: int | None) -> bool:
+def under_budget(tune: Tune, memory_budget: int | None, notes: list[str]) -> bool:
     """The rule **budget**: under a ``memory_budget``, ``tune="auto"`` times nothing and the
-    estimate chooses (``tune=True`` still times, within the budget). The budget is a promise,
-    and a timed candidate's working set and one-time costs are estimates: timing the engine's
-    alternatives raised a call's peak RSS under a 120 MiB budget to 114-131 MiB against 23 MiB
-    for the chosen route alone; the Jacobian norm's under 20 MB to 109 MiB, 60 MiB of it the
-    fixed overhead of a one-sample call."""
-    return tune is Tune.AUTO and memory_budget is not None
+    estimate chooses (``tune=True`` still times, within the budget). Where it applies, adds
+    :data:`BUDGET_NOTE` to ``notes`` and returns ``True``: the caller times nothing.
+
+    The budget is a promise, and a timed candidate's working set and one-time costs are
+    estimates: timing the engine's alternatives raised a call's peak RSS under a 120 MiB budget
+    to 114-131 MiB against 23 MiB for the chosen route alone; the Jacobian norm's under 20 MB
+    to 109 MiB, 60 MiB of it the fixed overhead of a one-sample call."""
+    if tune is not Tune.AUTO or memory_budget is None:
+        return False
+    notes.append(BUDGET_NOTE)
+    return True
 
 
 def set_auto_measures(on: bool) -> bool:

@@ -51,7 +51,6 @@ from ._planning import (
     span_tensor,
 )
 from ._tuning import (
-    BUDGET_NOTE,
     COUNTS,
     GROWTH,
     PAYS,
@@ -304,8 +303,7 @@ class _RouteTiming:
         if o.entries is Entries.AUTO and plan.structured:
             entries.append(Entries.GENERIC)  # the structured passes' cost is a guess too
         candidates = [(s, m, e) for s in strategies for m in modes for e in entries]
-        if under_budget(o.tune, o.memory_budget):
-            self.notes.append(BUDGET_NOTE)
+        if under_budget(o.tune, o.memory_budget, self.notes):
             return ran, plan
         if o.tune is Tune.ESTIMATE or (len(candidates) < 2 and not self.resizable(plan)):
             return ran, plan

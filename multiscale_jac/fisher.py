@@ -60,7 +60,6 @@ from ._memory import cpu_chunk_cap, fisher_chunks, fisher_kept, fisher_sample
 from ._planning import EngineOptions, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from ._tuning import (
-    BUDGET_NOTE,
     GROWTH,
     PLAN_CACHE,
     auto_measures,
@@ -379,8 +378,7 @@ class _FisherTuning:
             not auto_measures() or len(packed) < MIN_TUNE_SAMPLES
         ):
             return False
-        if under_budget(self.opts.tune, self.opts.memory_budget):
-            self.notes.append(BUDGET_NOTE)
+        if under_budget(self.opts.tune, self.opts.memory_budget, self.notes):
             return False
         bucket = max(packed.buckets(), key=lambda b: len(b.indices))
         n = len(bucket.indices)

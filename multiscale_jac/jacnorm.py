@@ -49,7 +49,6 @@ from ._planning import (
 )
 from ._stream import with_progress
 from ._tuning import (
-    BUDGET_NOTE,
     GROWTH,
     PLAN_CACHE,
     RETIME,
@@ -429,8 +428,7 @@ class _Job:
         routes, needed = self._trial_routes(tune, largest)
         if tune is Tune.ESTIMATE or len(routes) < 2 or (tune is Tune.AUTO and not auto_measures()):
             return
-        if under_budget(tune, self._sizing[1]):
-            self.notes.append(BUDGET_NOTE)
+        if under_budget(tune, self._sizing[1], self.notes):
             return
         if tune is Tune.AUTO and largest < needed:
             self.notes.append(
