@@ -26,6 +26,7 @@ __all__ = [
     "tensor_bytes",
     "engine_result",
     "engine_sample",
+    "engine_survey",
     "fisher_kept",
     "fisher_sample",
     "fisher_chunks",
@@ -91,21 +92,31 @@ def engine_sample(
     per_step: int | None = None,
     bound: bool = False,
     tangent: int = 0,
+    held: int = 0,
 ) -> int:
     """One sample's working memory with ``inner`` rows (``rev``) or tangents (fwd) at once:
     ``A + inner * per_step + 2 O P s`` (one forward, the per-sample Jacobian and its chunk
     pieces), ``per_step`` being ``2 M + P s`` (rev: cotangents per layer and a parameter-
     gradient row) or ``2 M + O s`` (fwd: tangents per layer and an output tangent) unless
     measured (the structured pass counts it), and in fwd ``(inner + 1) * tangent`` more
-    (:func:`engine_tangent`). Under a ``memory_budget`` (``bound``) the forward counts twice:
+    (:func:`engine_tangent`) and what a structured pass holds whatever its tangents
+    (``held``: each entry layer's unfolded input and the rows of it the entries multiply). Under a ``memory_budget`` (``bound``) the forward counts twice:
     a structured pass saves its layers' unfolded inputs besides the plain forward's tensors,
     and the call's slices of the inputs are copies (a 2-conv CNN's structured fit held 57 kB
     of them over a 30 kB forward)."""
     if per_step is None:
         per_step = 2 * fp.largest + (numel if rev else fp.outputs) * itemsize
     forward = 2 * fp.activations if bound else fp.activations
-    held = (inner + 1) * tangent
-    return forward + inner * per_step + held + 2 * fp.outputs * numel * itemsize
+    tangents = (inner + 1) * tangent
+    return forward + inner * per_step + tangents + held + 2 * fp.outputs * numel * itemsize
+
+
+def engine_survey(fp: _Footprint, held: int) -> int:
+    """Planning's structured forward pass of one sample, no tangents (the survey of each
+    selected tensor's cost): the forward's tensors (at most ``A``) and what the pass ``held``
+    (a conv's unfolded input and its selected rows: 57 kB over a 30 kB forward on a 2-conv
+    CNN)."""
+    return 2 * fp.activations + held
 
 
 def engine_rev_step(fp: _Footprint, numel: int, dense: int, itemsize: int, bound: bool) -> int:

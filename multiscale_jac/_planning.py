@@ -25,6 +25,7 @@ from ._memory import (
     engine_result,
     engine_rev_step,
     engine_sample,
+    engine_survey,
     engine_tangent,
     tensor_bytes,
 )
@@ -186,12 +187,16 @@ def graph_depth(out: Tensor) -> int:
 class Step(NamedTuple):
     """What one vectorised step of a span holds: ``width`` columns; ``per_step``, the bytes a
     sample holds per row (rev) or tangent (fwd), measured, or ``None`` for the footprint's
-    estimate; ``tangent``, what each forward tangent adds (``0`` in rev; both:
-    :func:`~multiscale_jac._memory.engine_sample`)."""
+    estimate; ``tangent``, what each forward tangent adds (``0`` in rev); ``held``, what a
+    structured pass holds per sample whatever its tangents (all three:
+    :func:`~multiscale_jac._memory.engine_sample`); ``survey``, what planning's structured
+    pass of the span's tensors held (:func:`~multiscale_jac._memory.engine_survey`)."""
 
     width: int
     per_step: int | None
     tangent: int = 0
+    held: int = 0
+    survey: int = 0
 
 
 def plan_chunks(
@@ -220,13 +225,13 @@ def plan_chunks(
     """
     fp, bucket_size = group.footprint, len(group.indices)
     itemsize, device = like.element_size(), like.device
-    numel, per_step, tangent = step
+    numel, per_step, tangent, held, _ = step
     rev = mode is Mode.REV
     full_inner = fp.outputs if rev else numel  # rows (O) or tangents of a sample
     bound = available is not None  # under a budget: the bound, not the estimate
 
     def sample(inner: int, bound: bool) -> int:
-        return engine_sample(fp, rev, numel, itemsize, inner, per_step, bound, tangent)
+        return engine_sample(fp, rev, numel, itemsize, inner, per_step, bound, tangent, held)
 
     full = sample(full_inner, bound)
     if available is None:
@@ -251,7 +256,9 @@ def call_bytes(group: Group, mode: Mode, step: Step, plan: Plan, itemsize: int, 
     rev = mode is Mode.REV
     inner = plan.inner or (group.footprint.outputs if rev else step.width)
     fp = group.footprint
-    sample = engine_sample(fp, rev, step.width, itemsize, inner, step.per_step, bound, step.tangent)
+    sample = engine_sample(
+        fp, rev, step.width, itemsize, inner, step.per_step, bound, step.tangent, step.held
+    )
     return engine_call(sample, plan.samples)
 
 
@@ -308,6 +315,8 @@ class EntryCost:
     generic_elems: int | None = None
     #: why the structured pass cannot run (``structured is None``)
     reason: str = ""
+    #: elements the structured pass held whatever its tangents (entry layers' unfolded inputs)
+    held: int = 0
 
 
 def survey(
@@ -325,7 +334,8 @@ def survey(
                     fn, name, values, levels, values[pos], values[pos].new_zeros(()), stats=rec
                 )
             except NotStructuredError as err:
-                costs[name] = EntryCost(None, rec.get("dense_work", 0), reason=str(err))
+                held = rec.get("held", 0)
+                costs[name] = EntryCost(None, rec.get("dense_work", 0), reason=str(err), held=held)
                 continue
             structurable = name in names and rec["entry"] + rec["dense_entry"] > 0
             reason = ""
@@ -341,6 +351,7 @@ def survey(
                 rec["elems"] if structurable else None,
                 rec["dense_elems"],
                 reason,
+                rec["held"],
             )
     return costs
 
@@ -647,7 +658,8 @@ def _steps(
             max(m.footprint.outputs for m in measured),
         )
         step = engine_rev_step(fp, fn.subset.numel, dense, itemsize, bound)
-        return [Step(fn.subset.numel, step)]
+        survey = tensor_bytes(max((c.held for c in costs.values()), default=0), itemsize)
+        return [Step(fn.subset.numel, step, survey=survey)]
     steps: list[Step] = []
     offsets = fn.subset.offsets
     for lo, hi in spans:
@@ -664,7 +676,10 @@ def _steps(
             and fn.subset.indices[t] is not None
         )  # fmt: skip
         per_step = None if elems is None else tensor_bytes(elems, itemsize)
-        steps.append(Step(hi - lo, per_step, engine_tangent(hi - lo, whole, itemsize)))
+        survey = tensor_bytes(cost.held if cost is not None else 0, itemsize)
+        held = survey if name in structured else 0
+        tangent = engine_tangent(hi - lo, whole, itemsize)
+        steps.append(Step(hi - lo, per_step, tangent, held, survey))
     return steps
 
 
@@ -714,9 +729,14 @@ def _least(
     result_bytes = engine_result(len(sizes), max(sizes), numel, itemsize)
     rev = mode is Mode.REV
     need = max(
-        engine_call(
-            engine_sample(m.footprint, rev, s.width, itemsize, 1, s.per_step, True, s.tangent),
-            min(chunk_size or 1, len(m.indices)),
+        max(
+            engine_call(
+                engine_sample(
+                    m.footprint, rev, s.width, itemsize, 1, s.per_step, True, s.tangent, s.held
+                ),
+                min(chunk_size or 1, len(m.indices)),
+            ),
+            engine_survey(m.footprint, s.survey),
         )
         for m in measured
         for s in steps

@@ -810,7 +810,6 @@ class _EngineRun(_RouteTiming):
                 "inner_chunk_size": min(inner) if inner else None,
                 "structured": structured,
             }
-            jac = self.fn.subset.to_flat_order(jac)  # the loop's rows are in that order already
             if self.cached is None and not self.fallbacks and not self.deferred:
                 PLAN_CACHE.put(self.fn.model, self.key, decision(plan, structured, self.notes))
             return self.result(jac, outputs, plan.sizes, ran, plan.mode, **extra)
@@ -919,6 +918,7 @@ def _fill(
     structured = list(plan.structured) if plan.mode is Mode.FWD else []
     jac, outputs = _buffers([plan], fn) if into is None else into
     rows = outputs.unsqueeze(-1)  # written like one column of the Jacobian
+    flat = None if subset.columns is None else torch.argsort(subset.columns).to(jac.device)
     for g in plan.groups:
         indices = [i for i in g.indices if (only is None or i in only) and i not in skip]
         if not indices:
@@ -926,10 +926,11 @@ def _fill(
         if plan.mode is Mode.REV:
             for idx in _sample_chunks(indices, g.chunks[0].samples):
                 blocks, out = _rev_block(g.fn, values, g.levels(idx), g.chunks[0].inner, randomness)
-                _write(rows, idx, out.unsqueeze(-1), 0, 1, g.table)
+                _write(rows, idx, out.unsqueeze(-1), slice(0, 1), g.table)
                 for name, blk in zip(subset.names, blocks):
                     lo, hi = subset.offsets[name]
-                    _write(jac, idx, blk.reshape(*blk.shape[:2], -1), lo, hi, g.table)
+                    blk = blk.reshape(*blk.shape[:2], -1)
+                    _write(jac, idx, blk, _flat_positions(flat, lo, hi), g.table)
             continue
         for span, chunks in zip(plan.spans, g.chunks):
             name = span_tensor(subset, span)
@@ -947,8 +948,8 @@ def _fill(
                         g.fn, subset, values, levels, span, chunks.inner, randomness
                     )
                 if span == plan.spans[0]:
-                    _write(rows, idx, out.unsqueeze(-1), 0, 1, g.table)
-                _write(jac, idx, blk, *span, g.table)
+                    _write(rows, idx, out.unsqueeze(-1), slice(0, 1), g.table)
+                _write(jac, idx, blk, _flat_positions(flat, *span), g.table)
     return jac, outputs, tuple(structured) if plan.mode is Mode.FWD else plan.structured
 
 
@@ -956,19 +957,39 @@ def _sample_chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[s : s + size] for s in range(0, len(indices), size)]
 
 
+def _flat_positions(flat: Tensor | None, lo: int, hi: int) -> slice | Tensor:
+    """Where columns ``[lo, hi)`` of the tensor-by-tensor layout sit in the flat order
+    (``flat``: each layout column's position, ``None`` where the orders agree): the result is
+    filled in the flat order, never reordered by a copy of it."""
+    return slice(lo, hi) if flat is None else flat[lo:hi]
+
+
 def _write(
-    jac: Tensor, idx: list[int], block: Tensor, lo: int, hi: int, table: Tensor | None
+    jac: Tensor, idx: list[int], block: Tensor, cols: slice | Tensor, table: Tensor | None
 ) -> None:
-    """Put ``block`` ``(n, O_g, hi - lo)`` of samples ``idx`` into ``jac``; with a ``table``,
-    only each sample's real rows, moved to the top in order."""
+    """Put ``block`` ``(n, O_g, k)`` of samples ``idx`` into columns ``cols`` of ``jac`` (a
+    slice or ``(k,)`` positions: :func:`_flat_positions`); with a ``table``, only each
+    sample's real rows, moved to the top in order."""
+
+    def put(target: Tensor, values: Tensor) -> None:
+        if isinstance(cols, slice):
+            target[..., cols] = values
+        else:
+            target.index_copy_(-1, cols, values)
+
     if table is None:
         contiguous = idx == list(range(idx[0], idx[-1] + 1))
-        target = slice(idx[0], idx[-1] + 1) if contiguous else idx
-        jac[target, : block.shape[1], lo:hi] = block
+        if contiguous:
+            put(jac[idx[0] : idx[-1] + 1, : block.shape[1]], block)
+        elif isinstance(cols, slice):
+            jac[idx, : block.shape[1], cols] = block
+        else:
+            for k, i in enumerate(idx):
+                put(jac[i, : block.shape[1]], block[k])
         return
     for k, i in enumerate(idx):
         rows = table[i].nonzero().squeeze(1).to(block.device)
-        jac[i, : rows.numel(), lo:hi] = block[k].index_select(0, rows)
+        put(jac[i, : rows.numel()], block[k].index_select(0, rows))
 
 
 def _rev_block(

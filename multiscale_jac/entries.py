@@ -299,6 +299,10 @@ class EntryMode(TorchFunctionMode):
         self.dense_work = 0
         self.elems = 0
         self.dense_elems = 0
+        #: elements the pass holds whatever the tangents: each entry layer's unfolded input and
+        #: the rows of it the selected entries multiply (a conv; a linear layer's selected
+        #: input columns), summed over entry layers (one forward per sample, not per tangent)
+        self.held = 0
 
     def _count(self, work: int, dense_work: int, elems: int, dense_elems: int) -> None:
         self.work += work
@@ -448,6 +452,7 @@ class EntryMode(TorchFunctionMode):
             y = F.linear(x, w, bias)
             dim = y.dim() - 1
             u = None if self.geo.is_bias else x.index_select(-1, self.geo.flat % x.shape[-1])
+            self.held += 0 if u is None else u.numel()
         else:
             nd = 2 if kind == "conv2d" else 1
             if x.dim() != nd + 2:
@@ -463,6 +468,8 @@ class EntryMode(TorchFunctionMode):
             if not self.geo.is_bias:
                 cols = selected_columns(x, w, self.geo.flat, stride, padding, dilation, groups)
                 u = cols.view(x.shape[0], -1, *y.shape[2:])
+                unfolded = w.shape[1] * groups * math.prod(w.shape[2:])  # rows of the unfold
+                self.held += x.shape[0] * unfolded * cols.shape[-1] + cols.numel()
         macs = y.numel() * _fan_in(kind, w)
         self._count(0, macs, 0, y.numel())
         if self._taint_all or self._taint(x):
@@ -553,8 +560,9 @@ def entry_call(
         levels: The sample's levels.
         v: ``name``'s selected values, carrying the one-hot tangent ``e_j``.
         c0: A scalar zero carrying the tangent ``j``.
-        stats: If given, updated with the counts of what the pass ran and its per-tangent
-            ``work``, ``dense_work``, ``elems``, ``dense_elems`` (see :class:`EntryMode`).
+        stats: If given, updated with the counts of what the pass ran, its per-tangent
+            ``work``, ``dense_work``, ``elems``, ``dense_elems`` and the elements it ``held``
+            whatever the tangents (see :class:`EntryMode`).
     """
     params = fn.full_params(values)
     base = fn.params[name]
@@ -566,6 +574,7 @@ def entry_call(
         return fn.call(params, levels, around=lambda stack, _: stack.enter_context(mode))
     finally:  # also what was counted before a NotStructuredError
         if stats is not None:
-            counts = {k: getattr(mode, k) for k in ("work", "dense_work", "elems", "dense_elems")}
+            kinds = ("work", "dense_work", "elems", "dense_elems", "held")
+            counts = {k: getattr(mode, k) for k in kinds}
             for k, n in (*mode.stats.items(), *counts.items()):
                 stats[k] = stats.get(k, 0) + n
