@@ -1680,6 +1680,9 @@ def memory_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+#: a rise below one page is counted as one page (a ratio's denominator)
+PAGE = 4096
+
 #: the memory workers' name for library_auto's route forced (``--route``: its options)
 CHOSEN = "library_chosen"
 
@@ -1975,14 +1978,18 @@ def _auto_against_chosen(
     if any(None in peak for peak in peaks):
         auto.update(chosen_route_memory=forced[-1])
         return
-    auto_peak, forced_peak = (median(peak) for peak in peaks)
+    # each pair's ratio: auto's choice can differ from process to process (a route within
+    # TIE of another), and each pair forces its own auto's choice
+    ratios = [a / max(f, PAGE) for a, f in zip(*peaks)]
+    at = ratios.index(median(ratios)) if len(ratios) % 2 else None
+    auto_peak, forced_peak = (median(peak) if at is None else peak[at] for peak in peaks)
     auto.update(
-        chosen_route=autos[0]["chosen"],
-        chosen_route_memory={**forced[0], "peak_memory_bytes": forced_peak},
-        memory_pairs={"auto": autos, "chosen": forced},
+        chosen_route=autos[at or 0]["chosen"],
+        chosen_route_memory={**forced[at or 0], "peak_memory_bytes": forced_peak},
+        memory_pairs={"auto": autos, "chosen": forced, "ratios": ratios},
         peak_memory_median_bytes=auto_peak,
     )
-    rec["auto_memory_over_chosen_route"] = _div(auto_peak, forced_peak)
+    rec["auto_memory_over_chosen_route"] = median(ratios)
 
 
 def _counters() -> dict[str, int]:
@@ -2128,7 +2135,9 @@ NOTES = {
     "auto_over_best_route": "library_auto seconds / the fastest valid forced library route's",
     "auto_memory_over_chosen_route": "library_auto's peak memory (its timing included: a "
     "fresh process, a slice call, then the batch) / the route it ran (its chosen_route: "
-    "strategy, mode, entries, samples per call; or method and chunk) forced with tune=False",
+    "strategy, mode, entries, samples per call; or method and chunk) forced with tune=False; "
+    "the median of pairs of fresh processes, each pair's ratio (auto's choice may differ "
+    "between processes: each pair forces its own auto's)",
     "note": "why auto is slower than the best other method, where it is",
     "backpack_DiagGGNExact": "not used: the GGN diagonal is neither the empirical Fisher nor "
     "the off-diagonal subset block a subnetwork Laplace needs",

@@ -78,6 +78,7 @@ __all__ = [
     "COUNTS",
     "ENV_VAR",
     "GROWTH",
+    "MEASURE",
     "PAYS",
     "KERNEL_CACHE",
     "PLAN_CACHE",
@@ -92,6 +93,7 @@ __all__ = [
     "deferred_before",
     "deferred_note",
     "environment",
+    "call_fit",
     "grown",
     "grows",
     "load",
@@ -105,6 +107,7 @@ __all__ = [
     "set_auto_measures",
     "stopwatch",
     "time_candidates",
+    "trial_samples",
     "under_budget",
 ]
 
@@ -125,6 +128,13 @@ PAYS = 0.25
 #: times their planned size (64 samples a chunk against 16 took 0.51x the time on a small
 #: transformer, 0.58x on a GroupNorm/depthwise CNN, 0.83x on an 8-conv CNN), not up to the batch
 GROWTH = 4
+#: a timed call holds at most this many times the smallest working set among the candidates'
+#: planned calls (the bench's bar for the peak memory of measuring against the route that
+#: ran): a heavier route is timed on fewer samples a call (:func:`trial_samples`), and a call
+#: size is never timed above the size that runs (the engine fits larger calls instead,
+#: :func:`call_fit`). A route timed at 8 samples a call held 29.5 MiB where the route that
+#: ran held 10.9 MiB (a transformer's generic against its structured reverse pass)
+MEASURE = 1.2
 
 #: how often planning measured a forward pass, surveyed structured costs and timed a candidate
 #: (read by :func:`~multiscale_jac.plan_cache_info`)
@@ -315,6 +325,25 @@ def _time_one(k: K, fn: Callable[[K], float | None], devices: list[torch.device]
     with stopwatch(devices) as elapsed:
         units = fn(k)
     return None if units is None else elapsed[0] / max(units, 1e-12)
+
+
+def trial_samples(samples: int, workset: int, least: int) -> int:
+    """Samples of a timed call of a candidate whose planned calls of ``samples`` hold
+    ``workset`` bytes: at most :data:`MEASURE` x ``least``, the smallest working set among the
+    candidates' planned calls (a call's working set grows with its samples), at least one and
+    at most ``samples`` (``0``: not planned, no rule)."""
+    if least <= 0 or workset <= 0:
+        return samples
+    return max(1, min(samples, int(MEASURE * least * samples // workset)))
+
+
+def call_fit(small: int, small_s: float, large: int, large_s: float) -> tuple[float, float]:
+    """A call's seconds as ``fixed + each * samples`` (a vectorised call's fixed cost, Python
+    tracing the model, and its work per sample) from the seconds per sample measured at two
+    call sizes ``small < large``: ``(fixed, each)``."""
+    t_small, t_large = small * small_s, large * large_s
+    each = (t_large - t_small) / (large - small)
+    return t_large - each * large, each
 
 
 def grows(workset: int, chosen: int) -> bool:

@@ -18,7 +18,6 @@ of outputs per sample, else ``rev``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -55,7 +54,9 @@ from ._tuning import (
     GROWTH,
     PAYS,
     PLAN_CACHE,
+    TIE,
     auto_measures,
+    call_fit,
     decide,
     defer,
     deferred_before,
@@ -66,6 +67,7 @@ from ._tuning import (
     pick,
     seconds,
     time_candidates,
+    trial_samples,
     under_budget,
 )
 from ._tuning import clear as clear_decisions
@@ -257,9 +259,6 @@ MIN_PROBE_BATCH = 8
 #: each route is timed on one vectorised call of at least this many samples (where it has
 #: them): single samples misjudge the routes that vectorise over samples better
 MIN_PROBE_SAMPLES = 8
-#: ``auto`` also times the chosen route at half its samples per vectorised call where its
-#: calls have at least this many samples (at twice them: :meth:`_EngineRun.call_sizes`)
-MIN_HALVED_CALL = 4
 #: a model is deep where this many differentiable ops lie on one path between a selected
 #: entry and the output (``Footprint.depth``): the bench_peers cells up to depth 56 (the
 #: transformer; ResNet-8 27, VGG11 30) needed a shortlist spanning at most 2x to hold their
@@ -405,22 +404,18 @@ class _RouteTiming:
 
     def resizable(self, plan: VectorPlan) -> bool:
         """Whether the samples per vectorised call are ``auto``'s to time: the caller set no
-        ``chunk_size``, and the largest bucket's calls can double (it has the samples and no
-        ``memory_budget`` bounds them) or halve (:data:`MIN_HALVED_CALL`)."""
-        _, up, down = self.call_sizes(plan)
-        return self.options.chunk_size is None and (up or down is not None)
+        ``chunk_size`` and the largest bucket's calls can grow (:meth:`call_sizes`)."""
+        return self.options.chunk_size is None and self.call_sizes(plan)[1]
 
-    def call_sizes(self, plan: VectorPlan) -> tuple[int, bool, int | None]:
-        """The planned samples per call ``n`` of the largest bucket, whether they may double
+    def call_sizes(self, plan: VectorPlan) -> tuple[int, bool]:
+        """The planned samples per call ``n`` of the largest bucket, and whether they may grow
         (the bucket has more samples, no ``memory_budget`` bounds the calls, and ``n`` is at
-        least 2: one sample a call fills the default working set already, and on the
-        strided tanh CNN, 21 MB of Jacobian a sample, the timed calls of two ran faster and
-        the whole batch slower) and the halved size (``None``: under
-        :data:`MIN_HALVED_CALL`)."""
+        least 2, so that half of it is a call too: one sample a call fills the default
+        working set already, and on the strided tanh CNN, 21 MB of Jacobian a sample, the
+        timed calls of two ran faster and the whole batch slower)."""
         n = _call_size(plan, self.packed)
         largest = max(len(b.indices) for b in self.packed.buckets())
-        up = self.options.memory_budget is None and 2 <= n < largest
-        return n, up, even_chunk(n // 2, largest) if n >= MIN_HALVED_CALL else None
+        return n, self.options.memory_budget is None and 2 <= n < largest
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
         """Run the first samples of the largest bucket with each shortlisted route: a
@@ -450,10 +445,15 @@ class _RouteTiming:
         share = max(len(pool) // len(trial) - 1, min(len(pool), MIN_PROBE_SAMPLES))
         done: set[int] = set()
 
+        least = min((p.workset for _, p in trial if p.workset > 0), default=0)
+
         def call_size(plan: VectorPlan) -> int:
             # one vectorised call of the route (its samples per call), up to a share of the
-            # bucket: per-sample times of one sample misjudge routes that vectorise better
-            return min(share, _call_size(plan, self.packed))
+            # bucket (per-sample times of one sample misjudge routes that vectorise better)
+            # and to MEASURE x the lightest route's calls (a heavier route that loses would
+            # otherwise hold more than the route that runs)
+            n = _call_size(plan, self.packed)
+            return min(share, trial_samples(n, plan.workset, least))
 
         if len(trial) == 1:  # only the samples per call are timed
             ((best, plan),) = trial
@@ -559,69 +559,56 @@ class _RouteTiming:
         into: tuple[Tensor, Tensor],
         done: set[int],
     ) -> tuple[tuple[Tensor, Tensor], set[int], VectorPlan]:
-        """Time the chosen route's samples per vectorised call: the planned size ``n``
-        against ``2n`` (calls that split the bucket evenly: :func:`even_chunk`), doubled again
-        while faster, up to the bucket (the cost model sizes calls by a default working set,
-        a guess) and, where ``2n`` is not faster, against ``n // 2`` (the fastest size also
-        depends on the allocator: on CPU, glibc's returns freed memory to the system above a
-        threshold, and the page faults of a large call can cost more than it gains;
-        docs/benchmarks.md, "Allocator"). Each size gets a warm-up call (a first call at a
-        size pays one-time costs), then each pair runs the same number of samples (two calls
-        of the larger size, at least :data:`MIN_PROBE_SAMPLES`), timed: one call alone misjudged a size
-        whose calls alternate fast and slow (on a small bucket the window is the whole
-        bucket: the run itself). A larger size replaces a smaller one unless
-        :data:`~multiscale_jac._tuning.TIE` slower, a smaller one only when that much faster: the timing
-        told sizes within 10% of each other apart no better than chance, and the larger
-        calls ran at least as fast in the runs that followed (ResNet-8, the transformer)."""
-        n, up, down = self.call_sizes(plan)
-        plans = {n: plan}
+        """Grow the chosen route's samples per vectorised call where a call's fixed cost says
+        larger calls pay: the planned size ``n`` and ``n // 2`` are timed on as many samples
+        each (a warm-up call each first: a first call at a size pays one-time costs), a
+        call's time is fitted as a fixed cost plus a cost per sample, and the calls grow to
+        the largest size, up to ``GROWTH`` x ``n`` and the bucket (:func:`even_chunk`), whose
+        fitted time per sample beats ``n``'s measured one by :data:`~multiscale_jac._tuning.TIE`
+        (the cost model sizes calls by a default working set, a guess). Nothing larger than
+        the calls that run is timed: a timed call of ``2n`` that lost held twice the working
+        set of the calls that ran (the peak memory of the measuring then exceeded the run's).
+        Calls never shrink below ``n``: timing a smaller size against ``n`` held ``n``'s
+        working set already."""
+        n, grows_ = self.call_sizes(plan)
+        if not grows_ or self.options.chunk_size is not None:
+            return into, done, plan
         largest = len(bucket.indices)
+        half = n // 2
+        plans = {n: plan, half: _resized(plan, half, n)}
+        window = min(max(2 * n, MIN_PROBE_SAMPLES), largest)
         warm: set[int] = set()
-        timed: list[tuple[int, float]] = []
 
-        def replaces(a: int, b: int) -> bool:
-            """Time ``a`` and ``b`` on as many samples each; whether ``b`` replaces ``a``
-            (ties go to the larger calls: fewer of them; in the runs that followed, at least
-            as fast)."""
-            window = min(max(2 * max(a, b), MIN_PROBE_SAMPLES), largest)
-            for size in (a, b):
-                plans.setdefault(size, _resized(plan, size, n))
+        def warm_up(size: int) -> float | None:
+            if size in warm:
+                return 1.0  # warmed up before: nothing to run
+            warm.add(size)
+            return self._run_route(key, plans[size], size, bucket, pool, into, done)
 
-            def warm_up(size: int) -> float | None:
-                if size in warm:
-                    return 1.0  # warmed up before: nothing to run
-                warm.add(size)
-                return self._run_route(key, plans[size], size, bucket, pool, into, done)
-
-            times = time_candidates(
-                [a, b],
-                lambda size: self._run_route(key, plans[size], window, bucket, pool, into, done),
-                devices=[plan.device],
-                warm_up=warm_up,
-                retime=0.0,  # the pair runs as many samples each: no second round
-                units=self.guard,
-                on_stop=self.stop_timing,
-            )
-            timed.extend((size, times.get(size, math.inf)) for size in (a, b))
-            if b not in times:
-                return False
-            return a not in times or pick(times, prefer=lambda size: size) == b
-
-        chosen = n
-        # the working set timed: GROWTH x the estimate's choice's (calls grow with samples)
+        times = time_candidates(
+            [n, half],
+            lambda size: self._run_route(key, plans[size], window, bucket, pool, into, done),
+            devices=[plan.device],
+            warm_up=warm_up,
+            retime=0.0,  # the pair runs as many samples each: no second round
+            units=self.guard,
+            on_stop=self.stop_timing,
+        )
+        if n not in times or half not in times:
+            return into, done, plan
+        fixed, each = call_fit(half, times[half], n, times[n])
+        # the working set run: GROWTH x the estimate's choice's (calls grow with samples)
         most = min(largest, GROWTH * n, grown(n, plan.workset, self.workset))
-
-        def doubled(k: int) -> int:
-            return even_chunk(min(2 * k, most), largest)
-
-        while up and chosen < doubled(chosen) and replaces(chosen, doubled(chosen)):
-            chosen = doubled(chosen)  # doubled while faster, up to GROWTH x the planned calls
-        if chosen == n and down is not None and replaces(n, down):
-            chosen = down
+        sizes = sorted({even_chunk(min(2**i * n, most), largest) for i in range(1, GROWTH)})
+        faster = [k for k in sizes if k > n and TIE * (fixed / k + each) <= times[n]]
+        chosen = max(faster, default=n)
+        if chosen != n:
+            plans[chosen] = _resized(plan, chosen, n)
         self.notes.append(
-            f"tune: {_route(key)} in calls of "
-            + ", ".join(f"{k} samples {v * 1e3:.1f} ms" for k, v in timed)
-            + f" per sample (each pair on the same samples, after a warm-up call); chose {chosen}"
+            f"tune: {_route(key)} in calls of {n} samples {times[n] * 1e3:.1f} ms, {half} "
+            f"samples {times[half] * 1e3:.1f} ms per sample (each on the same samples, after a "
+            f"warm-up call): a call {fixed * 1e3:.2f} ms and {each * 1e3:.2f} ms a sample; "
+            f"chose {chosen}"
         )
         return into, done, plans[chosen]
 

@@ -409,29 +409,33 @@ def test_jacobian_norm_ties_go_to_the_largest_chunk(measuring, monkeypatch) -> N
 @pytest.mark.parametrize(
     "planned, faster, chosen",
     [
-        (None, "smaller", 6),
+        (None, "smaller", 12),
         (None, "larger", 12),
         (3, "larger", 12),
         (2, "larger", 6),
-        (3, "smaller", 3),
+        (4, "smaller", 4),
+        (3, "flat", 3),
         (1, "larger", 1),
     ],
     ids=[
-        "whole-bucket-halves",
+        "whole-bucket-is-not-timed",
         "whole-bucket-stays",
-        "three-doubles-to-the-bucket",
-        "two-doubles-up-to-growth-times-the-plan",
-        "three-stay",
-        "one-sample-is-not-doubled",
+        "three-grows-to-the-bucket",
+        "two-grows-up-to-growth-times-the-plan",
+        "four-never-shrinks",
+        "no-fixed-cost-stays",
+        "one-sample-is-not-grown",
     ],
 )
 def test_auto_times_the_samples_per_call(
     measuring, monkeypatch, planned, faster: str, chosen: int
 ) -> None:
-    """``tune="auto"`` times the chosen route's calls at their planned size against twice it
-    (where the bucket has the samples; never beyond ``_tuning.GROWTH`` x the planned size, the
-    working set timed) and, where that is not faster, half it, on the same samples; the faster size runs, is cached, and the result stays exact. Timings forced:
-    per-sample seconds falling (``larger`` faster) or rising with the call size."""
+    """``tune="auto"`` times the chosen route's calls at their planned size and half it, on
+    the same samples, and grows them where the fitted fixed cost of a call says larger calls
+    pay (where the bucket has the samples; never beyond ``_tuning.GROWTH`` x the planned
+    size); nothing larger than the calls that run is timed, and calls never shrink; the size
+    runs, is cached, and the result stays exact. Timings forced: per-sample seconds falling
+    (``larger``: a fixed cost a call), rising (``smaller``) or flat with the call size."""
     from multiscale_jac import _planning, engine
 
     monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 3)
@@ -446,9 +450,13 @@ def test_auto_times_the_samples_per_call(
 
     real = _tuning._time_one
 
+    sizes: list[int] = []
+
     def forced(size, fn, devices) -> float | None:  # keys: samples per call
         t = real(size, fn, devices)
-        return None if t is None else (1.0 / size if faster == "larger" else float(size))
+        sizes.append(size)
+        per_sample = {"larger": 1.0 / size, "smaller": float(size), "flat": 1.0}[faster]
+        return None if t is None else per_sample
 
     monkeypatch.setattr(_tuning, "_time_one", forced)
     torch.manual_seed(0)
@@ -459,11 +467,13 @@ def test_auto_times_the_samples_per_call(
     kwargs = dict(strategy="vmap", mode="rev", entries="generic")
     res = mj.per_sample_jacobian(model, x, **kwargs)
     timed = [n for n in res.notes if " in calls of " in n]
-    if planned == 1:  # one sample a call fills the working set: not timed
-        assert not timed, res.notes
+    if planned in (1, None):  # one sample a call fills the working set, or the whole
+        assert not timed, res.notes  # bucket runs in one call: not timed
     else:
         (note,) = timed
         assert note.endswith(f"chose {chosen}"), note
+    if timed:
+        assert max(sizes) == (planned or 12), sizes  # no call timed above the planned size
     assert res.chunk_size == chosen, res.notes
     ref = mj.reference.per_sample_jacobian_loop(model, x)
     torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
@@ -621,3 +631,40 @@ def test_bifpn_entries_spread_through_its_cells_on_own_shapes() -> None:
     ref = mj.reference.per_sample_jacobian_loop(model, inputs(), params=subset)
     torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)
     torch.testing.assert_close(res.outputs, ref.outputs, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("case_id", ["fpn_scale_ragged", "seed_convblock_levels"])
+def test_no_timed_call_holds_more_than_measure_x_the_lightest_route(
+    measuring, monkeypatch, case_id: str
+) -> None:
+    """Every call ``auto`` times holds at most ``_tuning.MEASURE`` x the working set of the
+    lightest shortlisted route's planned calls (the memory model's): a heavier route runs
+    fewer samples a timed call, so that the measuring's peak memory stays near the route
+    that runs, whichever wins. The result stays exact."""
+    from multiscale_jac import _tuning, engine
+
+    monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 3)
+    calls: list[tuple[int, int, int]] = []  # (samples, planned samples a call, its workset)
+    least: list[int] = []
+    run_route, try_routes = engine._RouteTiming._run_route, engine._RouteTiming.try_routes
+
+    def spy_routes(self):
+        least.append(min(p.workset for _, p in self.trial if p.workset > 0))
+        return try_routes(self)
+
+    def spy_run(self, key, plan, k, *args):
+        calls.append((k, engine._call_size(plan, self.packed), plan.workset))
+        return run_route(self, key, plan, k, *args)
+
+    monkeypatch.setattr(engine._RouteTiming, "try_routes", spy_routes)
+    monkeypatch.setattr(engine._RouteTiming, "_run_route", spy_run)
+    case = CASE_BY_ID[case_id]
+    model = case.build()
+    kwargs = dict(params=case.glob, output_fn=case.output_fn)
+    inputs = (lambda: case.inputs() * 4) if case.ragged else case.inputs
+    res = mj.per_sample_jacobian(model, inputs(), **kwargs)
+    assert least and calls, res.notes
+    per_call = [min(k, n) * w / n for k, n, w in calls]  # a timed call's samples a call
+    assert max(per_call) <= _tuning.MEASURE * least[0] + 1, (calls, least)
+    ref = mj.reference.per_sample_jacobian_loop(model, inputs(), **kwargs)
+    torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)

@@ -403,6 +403,9 @@ def test_a_first_call_whose_timing_does_not_pay_defers(measuring, monkeypatch, f
     monkeypatch.setattr(engine, "SMALL_JOB_S", 0.0)
     monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 4)
     monkeypatch.setattr(engine._RouteTiming, "timing_cost", lambda self, *a: (0.0, 1.0))
+    # every route timed on its full share (a heavier route's calls capped to one sample would
+    # take 1 s a sample here, the rate of the warm-up: timing that pays)
+    monkeypatch.setattr(_tuning, "MEASURE", 1e9)
     fcn, ragged = _Fcn().to(DTYPE), _ragged()
     probes, stopped = [], []
     for _ in range(3):
@@ -498,3 +501,27 @@ def test_under_a_budget_auto_times_nothing_on_any_entry_point(measuring, monkeyp
     mj.clear_plan_cache()
     _budgeted("measure", monkeypatch)
     assert _tuning.COUNTS["probe"] > probes
+
+
+def test_call_fit_recovers_a_fixed_cost_and_a_cost_per_sample() -> None:
+    """Calls of 2 s plus 0.5 s a sample, seen as seconds per sample at 2 and 4 samples."""
+    fixed, each = _tuning.call_fit(2, (2 + 2 * 0.5) / 2, 4, (2 + 4 * 0.5) / 4)
+    assert (fixed, each) == pytest.approx((2.0, 0.5))
+    fixed, each = _tuning.call_fit(3, 1.0, 6, 1.0)  # no fixed cost: nothing to grow for
+    assert (fixed, each) == pytest.approx((0.0, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("samples", "workset", "least", "timed"),
+    [
+        (16, 32, 10, 6),  # a heavier route: 1.2 x 10 of its 2 a sample
+        (16, 8, 10, 16),  # lighter than the bar: as planned
+        (16, 10_000, 10, 1),  # one sample over the bar still runs one
+        (16, 32, 0, 16),  # nothing planned: no rule
+    ],
+)
+def test_trial_samples_keep_a_timed_call_within_measure_x_the_lightest(
+    samples: int, workset: int, least: int, timed: int
+) -> None:
+    assert _tuning.MEASURE == 1.2
+    assert _tuning.trial_samples(samples, workset, least) == timed
