@@ -1131,7 +1131,7 @@ def library(tune: Any = None, **kw: Any) -> Prepare:
                 with _engine_routes() as routes:
                     la.fit([(batch.inputs, batch.targets)])
                 value = la.H
-                if routes:  # what SubnetLaplace takes of a route: entries, samples per call
+                if routes:  # what SubnetLaplace takes of a route: mode, entries, samples per call
                     info["chosen"] = max(routes, key=lambda r: r.get("chunk_size", 0))
             after = mj.plan_cache_info()
             info["probed"] = after.probed - before.probed
@@ -1164,7 +1164,8 @@ def _route_of(res: Any) -> dict[str, Any]:
 
 @contextmanager
 def _engine_routes() -> Iterator[list[dict[str, Any]]]:
-    """The routes (:func:`_route_of`) of the engine calls a Laplace fit makes in the block."""
+    """The routes (mode and :func:`_route_of`) of the engine calls a Laplace fit makes in the
+    block."""
     from multiscale_jac.laplace import _curvature
 
     routes: list[dict[str, Any]] = []
@@ -1172,7 +1173,7 @@ def _engine_routes() -> Iterator[list[dict[str, Any]]]:
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         res = run(*args, **kwargs)
-        routes.append(_route_of(res))
+        routes.append({"mode": str(res.mode), **_route_of(res)})
         return res
 
     _curvature.run_engine = spy

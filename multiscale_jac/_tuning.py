@@ -129,12 +129,14 @@ PAYS = 0.25
 #: transformer, 0.58x on a GroupNorm/depthwise CNN, 0.83x on an 8-conv CNN), not up to the batch
 GROWTH = 4
 #: a timed call holds at most this many times the smallest working set among the candidates'
-#: planned calls (the bench's bar for the peak memory of measuring against the route that
-#: ran): a heavier route is timed on fewer samples a call (:func:`trial_samples`), and a call
-#: size is never timed above the size that runs (the engine fits larger calls instead,
-#: :func:`call_fit`). A route timed at 8 samples a call held 29.5 MiB where the route that
-#: ran held 10.9 MiB (a transformer's generic against its structured reverse pass)
-MEASURE = 1.2
+#: planned calls: a heavier route is timed on fewer samples a call (:func:`trial_samples`),
+#: and a call size is never timed above the size that runs (the engine fits larger calls
+#: instead, :func:`call_fit`), so that measuring holds about what the route that runs holds
+#: (the bench's bar: 1.2x its peak). Under 1 because the memory model over-counts routes
+#: unequally: a small transformer's structured reverse pass held 0.48-0.55 of its planned
+#: working set, its generic one 0.72-0.73 (1.2 x 0.48 / 0.73 = 0.79); timed at 8 samples a
+#: call, the generic route held 29.5 MiB where the structured route that ran held 10.9 MiB
+MEASURE = 0.8
 
 #: how often planning measured a forward pass, surveyed structured costs and timed a candidate
 #: (read by :func:`~multiscale_jac.plan_cache_info`)

@@ -570,8 +570,8 @@ class _RouteTiming:
         set of the calls that ran (the peak memory of the measuring then exceeded the run's).
         Calls never shrink below ``n``: timing a smaller size against ``n`` held ``n``'s
         working set already."""
-        n, grows_ = self.call_sizes(plan)
-        if not grows_ or self.options.chunk_size is not None:
+        n, can_grow = self.call_sizes(plan)
+        if not can_grow or self.options.chunk_size is not None:
             return into, done, plan
         largest = len(bucket.indices)
         half = n // 2

@@ -116,6 +116,28 @@ def test_subset_curvature_matches_dense(case_id: str, likelihood: str, hessian: 
     torch.testing.assert_close(tiny.H, ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_the_fit_runs_the_mode_given(mode: str, monkeypatch) -> None:
+    """``mode=`` reaches the engine the fit runs (its Jacobian rows by that mode), and the
+    curvature is the same either way."""
+    from multiscale_jac.laplace import _curvature
+
+    modes: list[str] = []
+    run = _curvature.run_engine
+
+    def spy(*args, **kwargs):
+        res = run(*args, **kwargs)
+        modes.append(res.mode.value)
+        return res
+
+    monkeypatch.setattr(_curvature, "run_engine", spy)
+    model, subset, data, outs, targets, jacs, _ = setup("dense_per_pixel", "classification")
+    la = mj.SubnetLaplace(model, "classification", subset, mode=mode).fit(data, progress=False)
+    assert modes and set(modes) == {mode}, modes
+    ref = dense_curvature(outs, targets, jacs, "classification", "ggn")
+    torch.testing.assert_close(la.H, ref, atol=TOL, rtol=0)
+
+
 def test_fit_streams_and_accumulates() -> None:
     model, subset, data, *_ = setup("dense_per_pixel", "classification")
     whole = mj.SubnetLaplace(model, "classification", subset).fit(data, progress=False)
@@ -382,6 +404,7 @@ def test_selection_errors(call, err, match) -> None:
         ({"temperature": 0}, ValueError, "temperature"),
         ({"hessian": "kfac"}, ValueError, "hessian"),
         ({"subset": "nope.*"}, ValueError, "nope"),
+        ({"mode": "sideways"}, ValueError, "mode"),
     ],
 )
 def test_bad_arguments(kwargs, err, match) -> None:

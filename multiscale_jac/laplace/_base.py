@@ -35,6 +35,7 @@ from ..enums import (
     HessianKind,
     InputKind,
     Likelihood,
+    Mode,
     Randomness,
     SubsetOfWeights,
     Tune,
@@ -103,6 +104,7 @@ class LaplaceBase:
         batch_norm: str | BatchNormPolicy = "error",
         strict: bool = False,
         entries: str | Entries = "auto",
+        mode: str | Mode = "auto",
         tune: str | bool | Tune = "auto",
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
@@ -136,6 +138,7 @@ class LaplaceBase:
         self.memory_budget = check_memory_budget(memory_budget)
         self.strict = check_bool(strict, "strict")
         self.entries = parse_enum(Entries, entries, "entries")
+        self.mode = parse_enum(Mode, mode, "mode")
         self.tune = parse_tune(tune)
         #: the MAP: the model's values of the subset at construction (the predictive runs the
         #: model itself, so they must stay its values)

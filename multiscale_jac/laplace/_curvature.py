@@ -234,6 +234,7 @@ class JacobianStream(LaplaceBase):
         per_row = laplace_row(self.subset.numel, self.mean.element_size())
         options = EngineOptions(
             entries=self.entries,
+            mode=self.mode,
             chunk_size=self.chunk_size,
             randomness=self._prep.randomness,
             strict=self.strict,

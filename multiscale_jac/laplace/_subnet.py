@@ -41,6 +41,8 @@ class SubnetLaplace(SubsetCurvature, Predictive, MarginalLikelihood, Saving):
         strict: Raise instead of letting the engine fall back to another strategy.
         entries: How the engine forms single-entry columns (``auto``, ``structured`` or
             ``generic``; see :func:`~multiscale_jac.per_sample_jacobian`).
+        mode: The engine's mode for the Jacobian rows (``auto``, ``rev`` or ``fwd``; see
+            :func:`~multiscale_jac.per_sample_jacobian`).
         tune: How the engine's ``auto`` choices are made (:class:`~multiscale_jac.Tune`:
             ``auto``, ``measure`` or ``True``, ``estimate`` or ``False``; for
             :class:`DiagLaplace` also :func:`~multiscale_jac.diag_fisher`'s choice; K-FAC's
