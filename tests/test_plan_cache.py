@@ -638,7 +638,8 @@ def test_no_timed_call_holds_more_than_measure_x_the_lightest_route(
     measuring, monkeypatch, case_id: str
 ) -> None:
     """Every call ``auto`` times holds at most ``_tuning.MEASURE`` x the working set of the
-    lightest shortlisted route's planned calls (the memory model's): a heavier route runs
+    lightest shortlisted route's planned calls (the memory model's), or is one sample: a
+    heavier route runs
     fewer samples a timed call, so that the measuring's peak memory stays near the route
     that runs, whichever wins. The result stays exact."""
     from multiscale_jac import _tuning, engine
@@ -664,7 +665,9 @@ def test_no_timed_call_holds_more_than_measure_x_the_lightest_route(
     inputs = (lambda: case.inputs() * 4) if case.ragged else case.inputs
     res = mj.per_sample_jacobian(model, inputs(), **kwargs)
     assert least and calls, res.notes
-    per_call = [min(k, n) * w / n for k, n, w in calls]  # a timed call's samples a call
-    assert max(per_call) <= _tuning.MEASURE * least[0] + 1, (calls, least)
+    bar = _tuning.MEASURE * least[0] + 1
+    # a timed call's working set: its samples a call (one at least, whatever it holds)
+    over = [(k, n, w) for k, n, w in calls if min(k, n) > 1 and min(k, n) * w / n > bar]
+    assert not over, (calls, least)
     ref = mj.reference.per_sample_jacobian_loop(model, inputs(), **kwargs)
     torch.testing.assert_close(res.jacobian, ref.jacobian, atol=1e-10, rtol=0)

@@ -515,7 +515,8 @@ def test_call_fit_recovers_a_fixed_cost_and_a_cost_per_sample() -> None:
     ("samples", "workset", "least", "timed"),
     [
         (16, 32, 10, 3),  # a heavier route: 0.6 x 10 of its 2 a sample
-        (16, 8, 10, 16),  # lighter than the bar: as planned
+        (16, 8, 10, 12),  # the lightest route too: 0.6 x 10 of its 0.5 a sample
+        (16, 5, 10, 16),  # lighter than the bar: as planned
         (16, 10_000, 10, 1),  # one sample over the bar still runs one
         (16, 32, 0, 16),  # nothing planned: no rule
     ],
