@@ -639,9 +639,8 @@ def test_no_timed_call_holds_more_than_measure_x_the_lightest_route(
 ) -> None:
     """Every call ``auto`` times holds at most ``_tuning.MEASURE`` x the working set of the
     lightest shortlisted route's planned calls (the memory model's), or is one sample: a
-    heavier route runs
-    fewer samples a timed call, so that the measuring's peak memory stays near the route
-    that runs, whichever wins. The result stays exact."""
+    heavier route runs fewer samples a timed call, so that the measuring's peak memory
+    stays near the route that runs, whichever wins. The result stays exact."""
     from multiscale_jac import _tuning, engine
 
     monkeypatch.setattr(engine, "MIN_PROBE_BATCH", 3)
