@@ -100,10 +100,11 @@ def engine_sample(
     gradient row) or ``2 M + O s`` (fwd: tangents per layer and an output tangent) unless
     measured (the structured pass counts it), and in fwd ``(inner + 1) * tangent`` more
     (:func:`engine_tangent`) and what a structured pass holds whatever its tangents
-    (``held``: each entry layer's unfolded input and the rows of it the entries multiply). Under a ``memory_budget`` (``bound``) the forward counts twice:
-    a structured pass saves its layers' unfolded inputs besides the plain forward's tensors,
-    and the call's slices of the inputs are copies (a 2-conv CNN's structured fit held 57 kB
-    of them over a 30 kB forward)."""
+    (``held``: each entry layer's unfolded input and the rows of it the entries multiply).
+    Under a ``memory_budget`` (``bound``) the forward counts twice: a structured pass saves
+    its layers' unfolded inputs besides the plain forward's tensors, and the call's slices of
+    the inputs are copies (a 2-conv CNN's structured fit held 57 kB of them over a 30 kB
+    forward)."""
     if per_step is None:
         per_step = 2 * fp.largest + (numel if rev else fp.outputs) * itemsize
     forward = 2 * fp.activations if bound else fp.activations

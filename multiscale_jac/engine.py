@@ -570,9 +570,9 @@ class _RouteTiming:
         set of the calls that ran (the peak memory of the measuring then exceeded the run's).
         Calls never shrink below ``n``: timing a smaller size against ``n`` held ``n``'s
         working set already."""
-        n, can_grow = self.call_sizes(plan)
-        if not can_grow or self.options.chunk_size is not None:
+        if not self.resizable(plan):
             return into, done, plan
+        n, _ = self.call_sizes(plan)
         largest = len(bucket.indices)
         half = n // 2
         plans = {n: plan, half: _resized(plan, half, n)}
@@ -905,7 +905,9 @@ def _fill(
     structured = list(plan.structured) if plan.mode is Mode.FWD else []
     jac, outputs = _buffers([plan], fn) if into is None else into
     rows = outputs.unsqueeze(-1)  # written like one column of the Jacobian
-    flat = None if subset.columns is None else torch.argsort(subset.columns).to(jac.device)
+    flat = None  # each layout column's flat position (the subset's inverse column order)
+    if subset.columns is not None:
+        flat = subset.to_grouped(torch.arange(subset.numel, device=jac.device))
     for g in plan.groups:
         indices = [i for i in g.indices if (only is None or i in only) and i not in skip]
         if not indices:
