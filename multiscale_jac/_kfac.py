@@ -13,7 +13,16 @@ What is computed (stated once; curvlinops' KFAC-*expand*, Eschenhagen et al. 202
 ---------------------------------------------------------------------------------
 ``N`` samples; sample ``n`` calls the layer ``c = 1..C_n`` times (once for a plain layer);
 call ``c`` has ``L_nc`` positions (Linear on ``(n, *, in)``: the positions ``*``, one for a
-``(n, in)`` input; Conv: the output positions). At position ``l``:
+``(n, in)`` input; Conv: the output positions). A model that folds a dimension into the batch
+(pairs ``(B, 2, d) -> (2B, d)``, video frames ``(B, T, ...) -> (B T, ...)``, same-size levels
+stacked with ``torch.cat(levels, 0)``, sample-major or sample-minor) gives a layer several rows
+of dim 0 per sample: **each such row counts as a call of its own** (``L`` = the positions of
+one row), which is what curvlinops computes (it takes dim 0 for the samples and divides by the
+data's ``N``), so laplace-torch's ``KronLaplace`` on such a model (its reward-modelling
+example) gets the same factors. Every row of every call must belong to one sample
+(:mod:`~multiscale_jac.rows` follows which, through the forward pass): ``G`` sums the rows'
+gradients, each a sample's own only then; a call whose rows mix samples, or are computed from
+no sample's data, is refused naming the module. At position ``l``:
 
 * ``a_ncl``: what the weight multiplies: Linear, the input row ``x[..., :]``; Conv, the patch
   the kernel reads, in ``weight.flatten(1)``'s order (input channel, then kernel offsets),
@@ -124,6 +133,7 @@ from .enums import Likelihood, MemoryBudgetError, Randomness, parse_enum
 from .layerwise import DEFAULT_TEMP_BYTES, NotLayerwiseError, _UseWatch, check_separable
 from .levels import _LOOP_ONLY
 from .packing import PackedBatch
+from .rows import RowTracker, groups_of, output_rows
 from .subset import ParamSubset
 
 __all__ = ["KINDS", "KronFactors", "KronResult", "kron_factors"]
@@ -479,25 +489,21 @@ def _patches(m: nn.Module, x: Tensor) -> Tensor:
     return view.permute(perm).reshape(n * math.prod(out), c * math.prod(kernel))
 
 
-def _input_moments(m: nn.Module, x: Tensor, n: int, temp_bytes: int, name: str) -> Tensor:
-    """``1/L sum_{rows} [a; 1] [a; 1]^T`` ``(in + 1, in + 1)`` of one call on ``n`` samples
-    (``L`` rows per sample), the rows formed a chunk of samples at a time."""
+def _input_moments(m: nn.Module, x: Tensor, temp_bytes: int, name: str) -> Tensor:
+    """``1/L sum_l [a_l; 1] [a_l; 1]^T`` ``(in + 1, in + 1)`` summed over the entries of dim 0
+    of one call's input (the rows), ``L`` positions per row; formed a chunk of rows at a
+    time."""
+    n = x.shape[0] if x.dim() > 1 else 1
     if isinstance(m, nn.Linear):
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] % n:
-            raise ValueError(
-                f"module {name!r} (Linear) was called on {rows.shape[0]} rows for {n} samples: "
-                "K-FAC needs every call to see every sample of the batch equally often"
-            )
         per = rows.shape[0] // n
         blocks = lambda s, e: rows[s * per : e * per]  # noqa: E731
         size = per * rows.shape[1]
     else:
-        if x.dim() != m.weight.dim() or x.shape[0] != n:
+        if x.dim() != m.weight.dim():
             raise ValueError(
                 f"module {name!r} ({type(m).__name__}) was called on an input of shape "
-                f"{tuple(x.shape)}, not a batch of the {n} samples: K-FAC needs every call to "
-                "see the whole batch"
+                f"{tuple(x.shape)} without a batch dim"
             )
         blocks = lambda s, e: _patches(m, x[s:e])  # noqa: E731
         per = _positions(m, x)
@@ -560,6 +566,9 @@ class _Recorder:
                     watched[id(layer.modules[0]._parameters[role])] = pname
         self.watch = _UseWatch(watched)
         self.calls: list[tuple[int, Tensor]] = []
+        # which sample each row of a call's output belongs to (:meth:`check_rows`)
+        self.tracker = RowTracker(n)
+        self.rows: list[tuple[nn.Module, Any, tuple[int, ...]]] = []
         self._handles: list[Any] = []
 
     def __enter__(self) -> _Recorder:
@@ -595,15 +604,41 @@ class _Recorder:
                 raise ValueError(f"module {name!r} was called with other than one input tensor")
             # the bookkeeping is not the model's: no torch-function mode around the call
             # (map_levels' canvas, a user's) sees it
-            with torch._C.DisableTorchFunction():
-                joint = _input_moments(module, x.detach(), self.n, self.temp_bytes, name)
+            with torch._C.DisableTorchFunction(), self.tracker.paused():
+                joint = _input_moments(module, x.detach(), self.temp_bytes, name)
             for layer in self.by_module[id(module)]:
                 layer.add_input(joint)
             anchor = output if output.requires_grad else output.detach().requires_grad_()
             self.calls.append((id(module), anchor))
+            self.rows.append((module, self.tracker.owner(anchor), tuple(anchor.shape)))
             return anchor.clone()
         finally:
             self.watch.inside -= 1
+
+    def check_rows(self, out: Tensor) -> None:
+        """Every row of every call's output belongs to one sample, and the output's row ``i``
+        is sample ``i`` (:mod:`~multiscale_jac.rows`): ``G`` sums the rows' gradients, each a
+        sample's own only then.
+
+        Raises:
+            ValueError: naming the module and why.
+        """
+        why = output_rows(self.tracker, out)
+        if why is not None:
+            raise ValueError(
+                f"kron_factors runs batches of samples, but the model's output rows are not its "
+                f"samples in order: {why}"
+            )
+        for module, owner, shape in self.rows:
+            found = groups_of(
+                owner, shape, len(shape) - 1 if isinstance(module, nn.Linear) else 1, self.n
+            )
+            if isinstance(found, str):
+                raise ValueError(
+                    f"module {self.names[id(module)]!r} ({type(module).__name__}): {found}, so "
+                    "K-FAC's output factor would sum gradients of several samples; leave its "
+                    "tensors out with params= or use a diagonal or full curvature"
+                )
 
     def backward(self, objectives: list[tuple[Tensor, float]]) -> None:
         """One backward pass per ``(scalar, weight)``: ``G += weight sum g g^T`` per call."""
@@ -681,11 +716,13 @@ class _KronRun:
         """One batched run of samples of one shape: input moments in the forward pass, the
         loss, then one backward pass per objective."""
         rec = _Recorder(self.layers, levels[0].shape[0], temp)
+        rec.tracker.mark_inputs(levels)
         loop_only = _LOOP_ONLY.set("kron_factors: every level's call counts its own positions")
         try:
-            with torch.enable_grad(), rec:
+            with torch.enable_grad(), rec, rec.tracker:
                 out = fn.call_batch(levels)
             self._check_run(fn, levels, out, rec)
+            rec.check_rows(out)
         finally:
             _LOOP_ONLY.reset(loop_only)
         opts = self.opts

@@ -59,6 +59,7 @@ from ._ops import named, numeric_padding
 from ._tuning import KERNEL_CACHE, auto_measures, decide, pick, time_candidates
 from .adapter import PerSampleFunction
 from .enums import LayerRule, Tune
+from .rows import RowGroups, RowTracker, groups_of, output_rows
 from .subset import ParamSubset
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "NotLayerwiseError",
     "batched_run",
     "check_separable",
+    "settle_rows",
     "plan_layers",
     "unfold_columns",
 ]
@@ -110,6 +112,9 @@ class _Call:
     module: nn.Module
     input: Tensor | None
     received: int = 0  # objectives whose gradient arrived
+    owner: Any = None  # the output's owner (:class:`~multiscale_jac.rows.RowTracker`)
+    shape: tuple[int, ...] = ()  # the output's shape
+    groups: RowGroups | None = None  # which sample each unit of the output belongs to
 
 
 @dataclass
@@ -248,6 +253,8 @@ class LayerwiseRun:
         self._weight = 1.0
         self._objective = 0
         self._error: BaseException | None = None
+        # follows which sample each row belongs to (set by batched_run)
+        self.tracker: RowTracker | None = None
         # reusable flat buffers for the per-layer temporaries (no-graph runs only): the same
         # memory serves every layer and chunk instead of a fresh allocation each time
         self._work: dict[str, Tensor] = {}
@@ -294,6 +301,13 @@ class LayerwiseRun:
             h.remove()
         self._handles.clear()
 
+    def discard(self) -> None:
+        """Drop a run that will not go backward: its gradient hooks too."""
+        self.close()
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
+
     # forward
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
         self._watch.inside += 1
@@ -315,6 +329,8 @@ class LayerwiseRun:
         if id(args[0]) in self._watch.inputs:
             self._entries.setdefault(id(args[0]), []).append(output)
         call = _Call(module, args[0] if self.create_graph else args[0].detach())
+        if self.tracker is not None:
+            call.owner, call.shape = self.tracker.owner(output), tuple(output.shape)
         sites = self._by_module[id(module)]
         for s in sites:
             s.calls.append(call)
@@ -394,11 +410,16 @@ class LayerwiseRun:
         m, a = call.module, call.input
         rule = self.plan.rules[s.name]
         multi = len(s.calls) > 1
+        rows = call.groups if call.groups is not None and not call.groups.plain else None
+        if rows is not None and isinstance(m, (nn.Linear, nn.LayerNorm)):
+            # units are positions: each sample's positions gathered into a row of its own
+            dims = a.dim() - (1 if isinstance(m, nn.Linear) else len(m.normalized_shape))
+            a, g, rows = rows.by_sample(a, dims), rows.by_sample(g, dims), None
         if rule == LayerRule.NORM_AFFINE:
-            per = _norm_grads(m, a, g, s.role)  # (N, *param)
-            self._add_per_sample(s, per, multi)
+            per = _norm_grads(m, a, g, s.role)  # (rows, *param)
+            self._add_per_sample(s, per if rows is None else rows.sum_rows(per), multi)
             return
-        d, u, groups = _columns(m, a, g, self._scratch)  # (N, Co, L), columns maker, groups
+        d, u, groups = _columns(m, a, g, self._scratch, rows)  # (N, Co, L), columns, groups
         if s.role == "bias":
             self._add_per_sample(s, d.sum(-1), multi)
             return
@@ -406,7 +427,7 @@ class LayerwiseRun:
         ck = m.weight[0].numel() * groups  # rows of U: C_in * prod(kernel)
         if s.name not in self.plan.costs:
             valid = _valid_columns(m, a, positions)
-            self.plan.costs[s.name] = self._costs(s, d, ck, groups, valid)
+            self.plan.costs[s.name] = _costs(self, s, d, ck, groups, valid)
         if not multi and self.plan.rules[s.name] == LayerRule.GRAM:
             products, weight = None, self._weight
             if self.plan.costs[s.name]["summed"]:
@@ -422,7 +443,7 @@ class LayerwiseRun:
             step = self._chunk(n, 2 * most * (co + ck), d)
             self._add(s, _gram(d, u, groups, pairs, step, products).reshape(m.weight.shape), weight)
             return
-        kernel = 0 if multi else self._kernel(s, m, a, g, ck)
+        kernel = 0 if multi or rows is not None else self._kernel(s, m, a, g, ck)
         if kernel:
             self._per_sample(s, m, a, g, kernel)
             return
@@ -525,30 +546,6 @@ class LayerwiseRun:
         d, u, groups = _columns(m, a, g, self._scratch)
         self._by_columns(s, m, d, u, groups, False)
 
-    def _costs(self, s: _Site, d: Tensor, ck: int, groups: int, valid: Tensor) -> dict[str, float]:
-        """Flop-equivalents per sample over the run's objectives of ``gram`` and
-        ``per_sample`` for a weight (``valid`` ``(K, L)``, :func:`_valid_columns`), and
-        whether ``gram`` sums the objectives' pair products before its matmul (``summed``:
-        several objectives, no graph, the sums within four times the temporaries' bytes);
-        sets the rule to ``gram`` where it is cheaper."""
-        n, co, positions = d.shape
-        objectives = self._last + 1
-        per_offset = valid.sum(1)
-        pairs = int((per_offset * (per_offset + 1) // 2).sum())
-        matmul = 2.0 * pairs * co * ck / groups / len(per_offset)
-        ps = objectives * (2.0 * positions + COST_PER_ENTRY) * co * ck / groups
-        all_pairs = positions * (positions + 1) // 2
-        summed = (
-            objectives > 1
-            and not self.create_graph
-            and tensor_bytes(n * co * all_pairs, d.element_size()) <= 4 * self.temp_bytes
-        )
-        formed = objectives * COST_PER_ENTRY * all_pairs * co  # the pair products, summed
-        gram = matmul + formed if summed else objectives * matmul
-        if len(s.calls) == 1 and gram <= ps:
-            self.plan.rules[s.name] = LayerRule.GRAM.value
-        return {"gram": gram, "per_sample": ps, "summed": float(summed)}
-
     def _chunk(self, n: int, elems_per_sample: int, like: Tensor, cap: int | None = None) -> int:
         budget = self.temp_bytes if cap is None else min(cap, self.temp_bytes)
         return chunk_in(budget, elems_per_sample, like.element_size(), n)
@@ -592,6 +589,33 @@ class LayerwiseRun:
         sq = sq if weight == 1.0 else sq * weight
         prev = self._sums.get(s.name)
         self._sums[s.name] = sq if prev is None else prev + sq
+
+
+def _costs(
+    run: LayerwiseRun, s: _Site, d: Tensor, ck: int, groups: int, valid: Tensor
+) -> dict[str, float]:
+    """Flop-equivalents per sample over ``run``'s objectives of ``gram`` and ``per_sample``
+    for a weight (``valid`` ``(K, L)``, :func:`_valid_columns`), and whether ``gram`` sums the
+    objectives' pair products before its matmul (``summed``: several objectives, no graph,
+    the sums within four times the temporaries' bytes); sets the rule to ``gram`` where it is
+    cheaper."""
+    n, co, positions = d.shape
+    objectives = run._last + 1
+    per_offset = valid.sum(1)
+    pairs = int((per_offset * (per_offset + 1) // 2).sum())
+    matmul = 2.0 * pairs * co * ck / groups / len(per_offset)
+    ps = objectives * (2.0 * positions + COST_PER_ENTRY) * co * ck / groups
+    all_pairs = positions * (positions + 1) // 2
+    summed = (
+        objectives > 1
+        and not run.create_graph
+        and tensor_bytes(n * co * all_pairs, d.element_size()) <= 4 * run.temp_bytes
+    )
+    formed = objectives * COST_PER_ENTRY * all_pairs * co  # the pair products, summed
+    gram = matmul + formed if summed else objectives * matmul
+    if len(s.calls) == 1 and gram <= ps:
+        run.plan.rules[s.name] = LayerRule.GRAM.value
+    return {"gram": gram, "per_sample": ps, "summed": float(summed)}
 
 
 #: reads of a tensor's metadata, not of its values (``next(model.parameters()).device``):
@@ -656,19 +680,62 @@ def batched_run(
     ``tune``: whether the convolutions' kernels may be timed (:meth:`LayerwiseRun._probe`).
 
     Raises:
-        NotLayerwiseError: with ``check``, sample 0 run alone differs from its batched result
+        NotLayerwiseError: the output's rows are not the samples in order, or a layer's rows
+            cannot be given to samples (:mod:`~multiscale_jac.rows`; the message names the
+            layer and why); with ``check``, sample 0 run alone differs from its batched result
             (the model mixes samples in a batch).
     """
     lv = [t.detach().requires_grad_(t.is_floating_point()) for t in levels]
     run = LayerwiseRun(plan, temp_bytes=temp_bytes, create_graph=create_graph, tune=tune)
     run.watch_inputs(lv)
-    with torch.enable_grad(), run:
-        out = fn.call_batch(lv)
-    if not isinstance(out, Tensor):
-        raise NotLayerwiseError(f"the model returned a {type(out).__name__}, not a tensor")
+    run.tracker = RowTracker(lv[0].shape[0])
+    run.tracker.mark_inputs(lv)
+    try:
+        with torch.enable_grad(), run, run.tracker:
+            out = fn.call_batch(lv)
+        if not isinstance(out, Tensor):
+            raise NotLayerwiseError(f"the model returned a {type(out).__name__}, not a tensor")
+        settle_rows(run, out)
+    except BaseException:
+        run.discard()
+        raise
     if check:
         check_separable(fn, levels, out, random=random)
     return lv, out, run
+
+
+def settle_rows(run: LayerwiseRun, out: Tensor) -> None:
+    """Give every layer call of ``run`` the sample of each unit of its output.
+
+    Raises:
+        NotLayerwiseError: ``out``'s row ``i`` is not sample ``i``'s, or a call's units cannot
+            be given to samples (the message names the layer).
+    """
+    tracker = run.tracker
+    if tracker is None:
+        raise NotLayerwiseError("no row tracker ran")
+    why = output_rows(tracker, out)
+    if why is not None:
+        raise NotLayerwiseError(f"the model's output rows are not its samples in order: {why}")
+    for s in run.sites:
+        for call in s.calls:
+            if call.groups is not None:
+                continue
+            m = call.module
+            if isinstance(m, nn.Linear):
+                dims = len(call.shape) - 1
+            elif isinstance(m, nn.LayerNorm):
+                dims = len(call.shape) - len(m.normalized_shape)
+            else:  # convolutions and BatchNorm/GroupNorm: the rows of dim 0
+                dims = 1
+            found = groups_of(call.owner, call.shape, dims, tracker.n)
+            if isinstance(found, str):
+                names = ", ".join(repr(t.name) for t in run.sites if m in t.modules)
+                raise NotLayerwiseError(
+                    f"the {type(m).__name__} layer of {names}: {found}; its rows cannot be "
+                    "given to samples"
+                )
+            call.groups = found
 
 
 class _NoDropout(TorchFunctionMode):
@@ -723,11 +790,16 @@ _Scratch = Callable[[str, tuple[int, ...], Tensor], "Tensor | None"]
 
 
 def _columns(
-    m: nn.Module, a: Tensor, g: Tensor, scratch: _Scratch | None = None
+    m: nn.Module,
+    a: Tensor,
+    g: Tensor,
+    scratch: _Scratch | None = None,
+    rows: RowGroups | None = None,
 ) -> tuple[Tensor, Callable[[slice], Tensor], int]:
     """Column form: ``D`` ``(N, Co, L)``, a function giving ``U`` ``(c, Ck, L)`` for a slice of
     samples (unfolded lazily, chunk by chunk, into ``scratch`` buffers when given), and the
-    number of groups."""
+    number of groups. A convolution whose rows are not one per sample in order (``rows``)
+    gets each sample's rows side by side: ``L`` = rows per sample x positions of a row."""
     n = g.shape[0]
     if isinstance(m, nn.Linear):
         d = g.reshape(n, -1, g.shape[-1]).transpose(1, 2)
@@ -740,11 +812,34 @@ def _columns(
         a, kernel = a.unsqueeze(2), (1, *kernel)
         stride, padding, dilation = (1, *stride), (0, *padding), (1, *dilation)
     d = g.reshape(n, g.shape[1], -1)
+    if rows is not None:
+        d, unfold_rows = _sample_columns(rows, a, d, (kernel, stride, padding, dilation), scratch)
+        return d, unfold_rows, m.groups
 
-    def unfold(rows: slice) -> Tensor:
-        return unfold_columns(a[rows], kernel, stride, padding, dilation, scratch=scratch)
+    def unfold(samples: slice) -> Tensor:
+        return unfold_columns(a[samples], kernel, stride, padding, dilation, scratch=scratch)
 
     return d, unfold, m.groups
+
+
+def _sample_columns(
+    rows: RowGroups, a: Tensor, d: Tensor, geometry: tuple, scratch: _Scratch | None
+) -> tuple[Tensor, Callable[[slice], Tensor]]:
+    """A convolution's column form by sample from its rows ``a`` ``(R, C, H, W)`` and ``d``
+    ``(R, Co, L)``: ``D`` ``(N, Co, k L)`` and ``U`` for a slice of samples ``(c, Ck, k L)``
+    (a sample's ``k`` rows side by side, zero rows where it has fewer)."""
+    n = rows.n
+    per = rows.by_sample(d, 1)  # (N, k, Co, L)
+    k = per.shape[1]
+    d_by_sample = per.transpose(1, 2).reshape(n, d.shape[1], -1)
+
+    def unfold(samples: slice) -> Tensor:
+        x = rows.by_sample(a, 1, samples)  # (c, k, C, H, W)
+        c = x.shape[0]
+        cols = unfold_columns(x.reshape(c * k, *x.shape[2:]), *geometry, scratch=scratch)
+        return cols.view(c, k, *cols.shape[1:]).transpose(1, 2).reshape(c, cols.shape[1], -1)
+
+    return d_by_sample, unfold
 
 
 def unfold_columns(
@@ -845,7 +940,9 @@ def _valid_columns(m: nn.Module, a: Tensor, positions: int) -> Tensor:
     if isinstance(m, nn.Conv1d):
         ones, kernel = ones.unsqueeze(2), (1, *kernel)
         stride, padding, dilation = (1, *stride), (0, *padding), (1, *dilation)
-    return unfold_columns(ones, kernel, stride, padding, dilation)[0] != 0
+    valid = unfold_columns(ones, kernel, stride, padding, dilation)[0] != 0
+    # a sample's rows side by side (:func:`_sample_columns`): the same pattern per row
+    return valid.repeat(1, positions // valid.shape[1]) if positions > valid.shape[1] else valid
 
 
 def _pairs(valid: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
