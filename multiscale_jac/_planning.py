@@ -55,6 +55,7 @@ __all__ = [
     "measure",
     "engine_minimum",
     "decision",
+    "loop_decision",
     "default_workset",
     "plan_chunks",
     "plan_key",
@@ -865,6 +866,12 @@ def decision(plan: VectorPlan, structured: tuple[str, ...], notes: list[str]) ->
     groups = tuple((g.footprint, g.table, g.chunks) for g in plan.groups)
     spans = tuple(plan.spans)
     return Decision(plan.strategy, plan.mode, structured, spans, plan.sizes, groups, tuple(notes))
+
+
+def loop_decision(sizes: tuple[int, ...], fallbacks: list[str]) -> Decision:
+    """The loop, kept for shapes on which a vectorised route failed (``fallbacks``: why, kept
+    as the decision's notes: a later call records them again)."""
+    return Decision(Strategy.LOOP, Mode.REV, (), (), sizes, (), tuple(fallbacks))
 
 
 def replay(fn: PerSampleFunction, packed: PackedBatch, d: Decision) -> VectorPlan:

@@ -350,8 +350,6 @@ def _cat(ctx: Any, b: dict[str, Any], out: Tensor) -> Owner:
         fit(torch.full((1,) * t.dim(), -1, dtype=OWNER_DTYPE) if o is None else o, t)
         for o, t in zip(owners, tensors)
     ]
-    if all(o.size(d) == 1 for o in full):  # along a dim no owner varies: elementwise
-        return combine(full, ctx.op)
     sizes = [1] * out.dim()
     for o in full:
         sizes = [max(s, n) for s, n in zip(sizes, o.shape)]
@@ -835,6 +833,15 @@ def _per_row(o: Owner, t: Tensor) -> Owner:
     return o.reshape(-1, *([1] * (t.dim() - 1))) if o.dim() else o.reshape((1,) * t.dim())
 
 
+def _rows_whole(ctx: Any, b: dict[str, Any], out: Tensor) -> Owner:
+    """Ops that read a whole row (dim 0 entry) per output row and change the ndim (``im2col``,
+    ``col2im``); an unbatched input is read whole."""
+    x = b["self"]
+    batched = x.dim() == (4 if "im2col" in ctx.op else 3)
+    dims = list(range(1, x.dim())) if batched else None
+    return _per_row(agree(ctx.own(x), dims, ctx.op, keepdim=False), out)
+
+
 def _prelu(ctx: Any, b: dict[str, Any], out: Tensor) -> Owner:
     """The weight broadcasts along dim 1, not from the right: read whole."""
     return fit(combine([ctx.own(b["self"]), _all_agree(ctx, b["weight"])], ctx.op), out)
@@ -950,9 +957,9 @@ _RULES: list[tuple[Rule, str]] = [
         )
         for k in (1, 2, 3)
     ),
-    (_window(2, channels=True), "pixel_shuffle pixel_unshuffle channel_shuffle im2col"),
+    (_window(2, channels=True), "pixel_shuffle pixel_unshuffle channel_shuffle"),
     (_window(2, channels=True), "native_channel_shuffle"),
-    (_window(1, channels=True), "col2im"),
+    (_rows_whole, "im2col col2im"),
     (_prelu, "_prelu_kernel"),
     (_affine_grid, "affine_grid_generator"),
     (_grid_sample, "grid_sampler_2d grid_sampler_3d grid_sampler"),

@@ -16,7 +16,9 @@ module's forward writes (caches, counters) are put back after every run (:mod:`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,7 +34,13 @@ from .enums import InputKind
 from .packing import Structure
 from .subset import ParamSubset
 
-__all__ = ["PerSampleFunction", "check_model_kwargs", "dense_weight", "flatten_output"]
+__all__ = [
+    "PerSampleFunction",
+    "check_model_kwargs",
+    "dense_weight",
+    "eager_compiled",
+    "flatten_output",
+]
 
 
 class PerSampleFunction:
@@ -174,6 +182,7 @@ class PerSampleFunction:
             return self._run(stack, {}, list(levels))
 
     def _run(self, stack: contextlib.ExitStack, params: dict[str, Tensor], batched: list) -> Any:
+        stack.enter_context(eager_compiled())
         if self.tokens:  # (n, C, *spatial) -> (n, positions, C), row-major positions
             batched = [b.flatten(2).transpose(1, 2) for b in batched]
         arg = self.structure.arrange(batched)
@@ -193,6 +202,40 @@ class PerSampleFunction:
 
     def __call__(self, values: tuple[Tensor, ...], *levels: Tensor) -> Tensor:
         return self.call(self.full_params(values), levels)
+
+
+@contextlib.contextmanager
+def eager_compiled() -> Iterator[None]:
+    """Functions compiled with ``torch.compile`` inside the model (the model's own, or a
+    library's: torchvision compiles its RoI ops on their first use) run eagerly while the library
+    runs the model. Dynamo would trace them through the library's transforms and torch-function
+    modes, which it does not follow (seen: ``input.device`` read as a ``torch.Size`` inside
+    torchvision's compiled ``_roi_align``, the first call in a fresh process failing).
+
+    Dynamo's own switch (``torch._dynamo.config.disable``) for the call when dynamo is loaded;
+    when it is not (importing it takes seconds), ``TORCH_COMPILE_DISABLE=1`` for the call, which
+    dynamo reads if the model loads it meanwhile; both are put back after."""
+    dynamo = sys.modules.get("torch._dynamo")
+    config = getattr(dynamo, "config", None)
+    if config is not None:
+        with config.patch(disable=True):
+            yield
+        return
+    old = os.environ.get(_COMPILE_DISABLE)
+    os.environ[_COMPILE_DISABLE] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_COMPILE_DISABLE, None)
+        else:
+            os.environ[_COMPILE_DISABLE] = old
+        config = getattr(sys.modules.get("torch._dynamo"), "config", None)
+        if config is not None:  # loaded during the call: it read the variable set above
+            config.disable = old == "1"
+
+
+_COMPILE_DISABLE = "TORCH_COMPILE_DISABLE"
 
 
 def check_model_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

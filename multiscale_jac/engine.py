@@ -32,6 +32,7 @@ from ._checks import (
     prepare,
     warn_fallback,
 )
+from ._loop import sample_loop
 from ._memory import mib
 from ._planning import (
     COST_CONSTANTS,
@@ -43,6 +44,7 @@ from ._planning import (
     estimate_seconds,
     even_chunk,
     first_line,
+    loop_decision,
     plan_key,
     plan_seconds,
     plan_strategy,
@@ -87,7 +89,6 @@ from .enums import (
     parse_tune,
 )
 from .packing import PackedBatch
-from .reference import loop_jacobian
 from .result import JacobianResult, output_mask_from_sizes
 from .subset import ParamSubset
 
@@ -767,7 +768,14 @@ class _EngineRun(_RouteTiming):
         )
 
     def run(self) -> JacobianResult:
-        if self.cached is not None:  # the same shapes ran before: no measuring, no planning
+        if self.cached is not None and self.cached.strategy is Strategy.LOOP:
+            self.fallbacks = [
+                f"{why} (on an earlier call with these shapes)" for why in self.cached.notes
+            ]
+            ran, plan = Strategy.LOOP, None
+        elif self.options.strategy is Strategy.LOOP:  # asked for: nothing to plan
+            ran, plan = Strategy.LOOP, None
+        elif self.cached is not None:  # the same shapes ran before: no measuring, no planning
             ran, plan = self.cached.strategy, replay(self.fn, self.packed, self.cached)
             self.notes = [*self.cached.notes, "plan: cached (the same shapes ran before)"]
         else:
@@ -800,7 +808,11 @@ class _EngineRun(_RouteTiming):
             if self.cached is None and not self.fallbacks and not self.deferred:
                 PLAN_CACHE.put(self.fn.model, self.key, decision(plan, structured, self.notes))
             return self.result(jac, outputs, plan.sizes, ran, plan.mode, **extra)
-        jac, outputs, sizes = loop_jacobian(self.fn, self.packed)
+        jac, outputs, sizes = sample_loop(self.fn, self.packed, self.notes)
+        if self.cached is None and self.fallbacks and not self.deferred:
+            # a route that failed on these shapes fails again: later calls go to the loop
+            # (the fallback still recorded and warned on each: cached_loop)
+            PLAN_CACHE.put(self.fn.model, self.key, loop_decision(sizes, self.fallbacks))
         return self.result(jac, outputs, sizes, Strategy.LOOP, Mode.REV)
 
     def result(

@@ -502,9 +502,13 @@ class _FisherRun(_FisherTuning):
     def _add_terms(
         self, fn: PerSampleFunction, packed: PackedBatch, per_sample: list[Tensor]
     ) -> None:
+        generator = self.opts.generator
+        state = None if generator is None else generator.get_state()
         try:
             part = self._terms(fn, packed, per_sample)
         except NotLayerwiseError as err:
+            if generator is not None:  # the fallback draws the labels the batch drew
+                generator.set_state(state)
             if self.opts.strict or self.opts.method is FisherMethod.LAYERWISE:
                 raise ValueError(f"diag_fisher(method={self.opts.method.value!r}): {err}") from err
             msg = f"layer-wise closed forms failed ({err}); ran vmap"

@@ -1015,16 +1015,19 @@ def _gram(
 
 
 def _norm_grads(m: nn.Module, a: Tensor, g: Tensor, role: str) -> Tensor:
-    """Per-sample gradients of a normalisation layer's affine weight or bias ``(N, *param)``."""
+    """Per-sample gradients of a normalisation layer's affine weight or bias ``(N, *param)``,
+    a new tensor: the caller squares it in place, and ``g`` is the gradient the backward pass
+    goes on with (a bias of a norm on ``(N, C)`` rows once handed ``g`` itself over, and its
+    squares flowed on into the layers before: every tensor below it was off)."""
     if isinstance(m, nn.LayerNorm):
         dims = tuple(range(1, g.dim() - len(m.normalized_shape)))
         if role == "bias":
-            return g.sum(dims) if dims else g
+            return g.sum(dims) if dims else g.clone()
         xhat = F.layer_norm(a, m.normalized_shape, None, None, m.eps)
         return (g * xhat).sum(dims) if dims else g * xhat
     dims = tuple(range(2, g.dim()))
     if role == "bias":
-        return g.sum(dims) if dims else g
+        return g.sum(dims) if dims else g.clone()
     if isinstance(m, nn.GroupNorm):
         xhat = F.group_norm(a, m.num_groups, None, None, m.eps)
         return (g * xhat).sum(dims) if dims else g * xhat

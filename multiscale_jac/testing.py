@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._folds import CONV_BODIES, CONV_FOLDS, VECTOR_BODIES, VECTOR_FOLDS, FoldingNet, folding_inputs
 from .engine import per_sample_jacobian
-from .enums import FallbackWarning
+from .enums import FallbackWarning, Likelihood, parse_enum
 from .fisher import diag_fisher
 from .laplace import SubnetLaplace
 from .packing import PackedBatch, pack
@@ -49,11 +50,15 @@ __all__ = [
     "images",
     "token_batches",
     "param_subsets",
+    "folding_models",
+    "FoldingCase",
     # checkers
     "assert_jacobian_matches",
     "check_model",
     "assert_fisher_matches",
     "assert_laplace_matches",
+    "check_routes",
+    "assert_routes_match",
     "CheckReport",
     "RouteReport",
 ]
@@ -512,6 +517,89 @@ def param_subsets(
     return draw_subset()
 
 
+@dataclass(frozen=True)
+class FoldingCase:
+    """A drawn model that folds a dimension into its batch, with a batch and its targets.
+
+    Attributes:
+        model: A :class:`~multiscale_jac._folds.FoldingNet` in eval mode, float64.
+        inputs: The batch (a tensor, or a list of same-size levels).
+        targets: Class labels ``(N,)``.
+        kind: The fold (``items``, ``items_minor``, ``perm``, ``sort``, ``token``, ``mix``,
+            ``plain``, ``frames``, ``frames_minor``, ``levels``, ``stack``, ``tta``).
+        body: The layers run on the rows (``linear``, ``linear_ln``, ``conv``, ``conv_gn``,
+            ``conv_bn``).
+    """
+
+    model: nn.Module
+    inputs: Any
+    targets: Tensor
+    kind: str
+    body: str
+
+    def __repr__(self) -> str:
+        n = self.targets.shape[0]
+        return f"FoldingCase(kind={self.kind!r}, body={self.body!r}, N={n}, model={self.model})"
+
+
+def folding_models(
+    *,
+    batch_size: int | tuple[int, int] = (1, 5),
+    kinds: Sequence[str] | None = None,
+) -> Any:
+    """Models that fold a dimension into the batch, with a batch (a Hypothesis strategy).
+
+    Each draw builds a :class:`FoldingCase`: a model whose forward pass turns its batch into
+    rows that are not the samples in order (pairs ``(B, 2, d) -> (2B, d)`` sample-major or
+    sample-minor, video frames, same-size levels stacked or concatenated along the batch, a
+    map and its mirror image, rows permuted by a fixed rule or by their data, a learned token
+    put in front of every sample; and, as negative cases, a batch mean subtracted), runs Linear
+    (and LayerNorm) or Conv2d (and GroupNorm or an eval-mode BatchNorm) layers on the rows and
+    classifies; sizes, widths, the pooling and the values come from drawn integers.
+
+    Args:
+        batch_size: ``N``, an int or a ``(min, max)`` range (odd sizes and 1 included).
+        kinds: The folds to draw from (default: all).
+
+    Returns:
+        A strategy of :class:`FoldingCase`; run :func:`check_routes` on each.
+    """
+    st = _strategies()
+    lo, hi = _int_range(batch_size, "batch_size")
+    pool = tuple(kinds) if kinds is not None else VECTOR_FOLDS + CONV_FOLDS
+    unknown = [k for k in pool if k not in VECTOR_FOLDS + CONV_FOLDS]
+    if unknown or not pool:
+        raise ValueError(f"kinds must be among {VECTOR_FOLDS + CONV_FOLDS}; got {kinds!r}")
+
+    @st.composite
+    def draw_case(draw: Any) -> FoldingCase:
+        kind = draw(st.sampled_from(pool))
+        body = draw(st.sampled_from(CONV_BODIES if kind in CONV_FOLDS else VECTOR_BODIES))
+        conv = kind in CONV_FOLDS
+        features = draw(st.integers(1, 3))
+        items = draw(st.integers(1, 3))
+        n = draw(st.integers(lo, hi))
+        seed = draw(st.integers(0, _SEED_MAX))
+        torch.manual_seed(seed)
+        model = FoldingNet(
+            kind,
+            body,
+            items=items,
+            features=features,
+            width=draw(st.integers(2, 4)),
+            classes=draw(st.integers(2, 3)),
+            pool=draw(st.sampled_from(("mean", "flat"))),
+        )
+        model = model.to(torch.float64).eval()
+        gen = torch.Generator().manual_seed(seed)
+        size = draw(st.integers(2, 4)) if conv else 0
+        inputs = folding_inputs(model, n, features=features, size=size, generator=gen)
+        targets = torch.randint(0, model.head.out_features, (n,), generator=gen)
+        return FoldingCase(model, inputs, targets, kind, body)
+
+    return draw_case()
+
+
 # ====================================================================== reports
 @dataclass(frozen=True)
 class RouteReport:
@@ -520,8 +608,9 @@ class RouteReport:
     Attributes:
         route: What was run, e.g. ``"strategy='padded', mode='auto'"``.
         status: ``"exact"``, ``"fell back"`` (exact, but another route ran: see ``reason``),
-            ``"mismatch"`` (see ``detail``) or ``"error"`` (the route raised; ``detail`` is the
-            exception).
+            ``"refused"`` (:func:`check_routes`: the route raised a ``ValueError`` or
+            ``TypeError`` saying why it does not run; not a failure), ``"mismatch"`` (see
+            ``detail``) or ``"error"`` (the route raised; ``detail`` is the exception).
         ran: What actually ran (strategy and mode, or the method), ``""`` if nothing did.
         reason: The recorded fallback reason (``result.fallback``: it names the op and the module
             path), or ``None``.
@@ -1197,3 +1286,303 @@ def assert_laplace_matches(
         )
     what = "SubnetLaplace against dense J^T Lambda J and J Sigma J^T from the loop reference"
     return _asserted(CheckReport(what, routes, bool(strict), rtol, atol))
+
+
+# ====================================================================== every entry point
+#: what a route may raise instead of a number: a clear refusal, not a failure
+_REFUSALS = (ValueError, TypeError)
+
+
+def _route_report(
+    label: str,
+    call: Callable[[], Any],
+    want: Callable[[Any], tuple[Tensor, Tensor]],
+    where: Callable[[tuple[int, ...]], str],
+    tol: tuple[float, float],
+) -> RouteReport:
+    """Run ``call``; ``want(result)`` gives ``(got, reference)``. A ``ValueError``/
+    ``TypeError`` is a refusal (status ``"refused"``), anything else raised an error."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FallbackWarning)
+            res = call()
+    except _REFUSALS as err:
+        return RouteReport(label, "refused", detail=f"{type(err).__name__}: {err}")
+    except Exception as err:
+        return RouteReport(label, "error", detail=f"{type(err).__name__}: {err}")
+    reason = "; ".join(str(w.message) for w in caught if issubclass(w.category, FallbackWarning))
+    got, ref = want(res)
+    detail, max_err = _compare(got, ref, *tol, where)
+    return RouteReport(
+        label, _status(detail, reason or None), "", reason or None, detail or "", max_err
+    )
+
+
+def _jacnorm_reference(model: nn.Module, inputs: Any, subset: ParamSubset) -> tuple[Tensor, Tensor]:
+    """``S = sum_i ||J_i||^2`` over ``subset`` and ``grad S`` w.r.t. every parameter that
+    requires grad (flat, in ``named_parameters`` order), one sample and one output row at a
+    time by plain double backward: the loop oracle of :func:`~multiscale_jac.jacobian_sq_norm`."""
+    packed = pack(inputs)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
+    ones = next(iter(params.values())).new_ones(subset.numel)
+    masks = subset.embed(ones)
+    total = ones.new_zeros(())
+    grads = [torch.zeros_like(params[n]) for n in names]
+    for i in range(packed.num_samples):
+        arg = packed.structure.arrange([lvl.unsqueeze(0) for lvl in packed.sample(i)])
+        with torch.enable_grad():
+            out = torch.func.functional_call(model, params, (arg,)).reshape(-1)
+            s = out.new_zeros(())
+            for o in range(out.numel()):
+                wrt = [params[n] for n in subset.names]
+                gs = torch.autograd.grad(out[o], wrt, create_graph=True, allow_unused=True)
+                for n, g in zip(subset.names, gs):
+                    s = s if g is None else s + ((g * masks[n]) ** 2).sum()
+            if s.requires_grad:
+                got = torch.autograd.grad(s, [params[n] for n in names], allow_unused=True)
+                grads = [a if g is None else a + g for a, g in zip(grads, got)]
+        total = total + s.detach()
+    return total, torch.cat([g.reshape(-1) for g in grads])
+
+
+def _mc_reference(samples: list[_Sample], likelihood: Any, seed: int, ignore: int) -> Tensor:
+    """The Monte-Carlo Fisher's diagonal with the labels :func:`~multiscale_jac.diag_fisher`
+    draws from ``seed`` for one batch in one chunk (one draw per sample)."""
+    from ._likelihood import draw_noise, labels_from_noise  # the library's own convention
+
+    lik = parse_enum(Likelihood, likelihood, "likelihood")
+    regression = lik is Likelihood.REGRESSION
+    shapes = [s.shape for s in samples]
+    out = torch.stack([s.out.view(shapes[i][1:]) for i, s in enumerate(samples)])
+    noise = draw_noise(out.shape, lik, 1, torch.Generator().manual_seed(seed))[0]
+    per = out.shape[1:] if regression else out.shape[2:]
+    ys = torch.stack([s.target.view(per) for s in samples])
+    labels = labels_from_noise(out, noise, ys, lik, 1.0, ignore)
+    drawn = [_Sample(s.jac, s.out, s.shape, labels[i].reshape(-1)) for i, s in enumerate(samples)]
+    return _curvature(drawn, regression, ignore, True, True) / len(samples)
+
+
+def _whole_layers(model: nn.Module) -> list[str]:
+    """The weights and biases of the Linear and Conv layers (what K-FAC covers)."""
+    layers = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    return [
+        f"{m_name}.{p_name}" if m_name else p_name
+        for m_name, m in model.named_modules()
+        if isinstance(m, layers)
+        for p_name, p in m.named_parameters(recurse=False)
+        if p.requires_grad
+    ]
+
+
+def check_routes(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    *,
+    entries: ParamSubset | str | Sequence[str] | None = None,
+    likelihood: str = "classification",
+    strategies: Sequence[str] = ("vmap", "loop", "bucketed", "padded"),
+    modes: Sequence[str] = ("rev", "fwd"),
+    seed: int = 0,
+    rtol: float = 1e-10,
+    atol: float = 1e-10,
+    strict: bool = False,
+) -> CheckReport:
+    """Every route of every entry point on one batch against the loop oracle, in float64:
+    each route agrees with it, falls back (a ``FallbackWarning``; exact all the same) or
+    refuses (a ``ValueError``/``TypeError`` naming why); report, do not assert.
+
+    Routes (all parameters that require grad, unless said otherwise):
+
+    * :func:`~multiscale_jac.per_sample_jacobian`: ``strategies x modes``, and on the
+      ``entries`` subset ``mode x entries="structured"/"generic"``, against
+      :func:`~multiscale_jac.reference.per_sample_jacobian_loop`;
+    * :func:`~multiscale_jac.diag_fisher`: ``kind="empirical"/"exact"/"mc"`` x
+      ``method="layerwise"/"vmap"/"auto"`` against squared per-sample gradients and GGN
+      diagonals from the loop reference's Jacobians (``mc``: with the labels the library draws
+      from ``seed``);
+    * :func:`~multiscale_jac.jacobian_sq_norm`: ``method="layerwise"/"vmap"/"hvp"/"auto"``,
+      the value and its gradient w.r.t. every parameter, against a loop of double backward
+      passes (one sample, one output row at a time);
+    * :class:`~multiscale_jac.DiagLaplace` (``method="layerwise"/"vmap"``): ``H`` against the
+      GGN's diagonal; :class:`~multiscale_jac.KronLaplace` (the Linear/Conv tensors): ``H``
+      against the fit run one sample at a time (``chunk_size=1``: every batch a batch of
+      one); :class:`~multiscale_jac.SubnetLaplace` on ``entries``: ``H`` against the dense GGN.
+
+    Args:
+        model: The model (a float64 copy is used if it is not float64; never changed).
+        inputs: One batch, in any form :func:`~multiscale_jac.pack` accepts.
+        targets: Its targets (class labels, or regression targets shaped like the outputs).
+        entries: A small subset for the entry-level routes (default: the first entry of
+            every tensor).
+        likelihood: ``classification`` or ``regression``.
+        strategies: The Jacobian strategies to run.
+        modes: The Jacobian modes to run.
+        seed: Seeds the labels ``kind="mc"`` draws.
+        rtol: Relative tolerance, entry by entry.
+        atol: Absolute tolerance.
+        strict: A fallback fails too.
+
+    Returns:
+        A :class:`CheckReport` (statuses ``exact``, ``fell back``, ``refused``, ``mismatch``,
+        ``error``; ``report.ok`` when no route mismatched or raised anything but a refusal).
+    """
+    model, inputs, targets = _float64_model(model), _float64(inputs), _float64(targets)
+    tol = (rtol, atol)
+    whole = ParamSubset.all(model, trainable_only=True)
+    if entries is None:
+        entries = ParamSubset.from_indices(model, {n: [0] for n in whole.names})
+    ref = per_sample_jacobian_loop(model, inputs, params=whole)
+    where = _Where(ref.subset, inputs)
+    reports = [
+        _jacobian_route(
+            f"per_sample_jacobian(strategy={_name(st)}, mode={_name(m)})",
+            functools.partial(per_sample_jacobian, model, inputs, strategy=st, mode=m),
+            ref,
+            where,
+            tol,
+        )
+        for st, m in itertools.product(strategies, modes)
+    ]
+    sub = per_sample_jacobian_loop(model, inputs, params=entries)
+    sub_where = _Where(sub.subset, inputs)
+    reports += [
+        _jacobian_route(
+            f"per_sample_jacobian(params=entries, mode={_name(m)}, entries={_name(e)})",
+            functools.partial(
+                per_sample_jacobian, model, inputs, params=sub.subset, mode=m, entries=e
+            ),
+            sub,
+            sub_where,
+            tol,
+        )
+        for m, e in itertools.product(modes, ("structured", "generic"))
+    ]
+    reports += _derived_routes(model, inputs, targets, whole, sub.subset, likelihood, seed, tol)
+    what = "every route of every entry point against the float64 loop oracle"
+    return CheckReport(what, tuple(reports), bool(strict), rtol, atol)
+
+
+def _derived_routes(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    whole: ParamSubset,
+    entries: ParamSubset,
+    likelihood: str,
+    seed: int,
+    tol: tuple[float, float],
+) -> list[RouteReport]:
+    """The routes of :func:`check_routes` beyond the Jacobian."""
+    from .laplace import DiagLaplace, KronLaplace
+
+    regression = _value(likelihood) == "regression"
+    data = [(inputs, targets)]
+    _, samples = _dense_samples(model, data, whole, None, {})
+    n = len(samples)
+    want = {
+        "empirical": _curvature(samples, regression, -100, True, True) / n,
+        "exact": _curvature(samples, regression, -100, False, True) / n,
+        "mc": _mc_reference(samples, likelihood, seed, -100),
+    }
+    column = _Where(whole).column
+    at = lambda idx: column(idx[0])  # noqa: E731
+    reports = []
+    for kind, method in itertools.product(
+        ("empirical", "exact", "mc"), ("layerwise", "vmap", "auto")
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        call = functools.partial(
+            diag_fisher, model, data, likelihood=likelihood, kind=kind, method=method, generator=gen
+        )
+        label = f"diag_fisher(kind={kind!r}, method={method!r})"
+        reports.append(_route_report(label, call, lambda r, k=kind: (r.flat, want[k]), at, tol))
+    value, grad = _jacnorm_reference(model, inputs, whole)
+    for method in ("layerwise", "vmap", "hvp", "auto"):
+        label = f"jacobian_sq_norm(method={method!r})"
+        reports.append(
+            _route_report(
+                label,
+                lambda m=method: _jacnorm_run(model, inputs, m),
+                lambda r: (r, torch.cat([value.reshape(1), grad])),
+                lambda idx: "the value" if idx[0] == 0 else f"gradient entry {idx[0] - 1}",
+                tol,
+            )
+        )
+    ggn = _curvature(samples, regression, -100, False, True)
+    for method in ("layerwise", "vmap"):
+        label = f"DiagLaplace(method={method!r}).fit"
+        call = lambda m=method: DiagLaplace(model, likelihood, method=m).fit(data)  # noqa: E731
+        reports.append(_route_report(label, call, lambda la: (la.H, ggn), at, tol))
+    layers = _whole_layers(model)
+    oracle = KronLaplace(model, likelihood, layers, chunk_size=1)
+    label = "KronLaplace.fit, against the fit one sample at a time"
+    try:
+        oracle.fit(data)
+        reports.append(
+            _route_report(
+                label,
+                lambda: KronLaplace(model, likelihood, layers).fit(data),
+                lambda la: (la.H.to_matrix(), oracle.H.to_matrix()),
+                lambda idx: f"H[{idx[0]}, {idx[1]}]",
+                tol,
+            )
+        )
+    except _REFUSALS as err:
+        reports.append(RouteReport(label, "refused", detail=f"{type(err).__name__}: {err}"))
+    _, sub_samples = _dense_samples(model, data, entries, None, {})
+    h_sub = _curvature(sub_samples, regression, -100, False, False)
+    label = "SubnetLaplace(entries).fit"
+    call = lambda: SubnetLaplace(model, likelihood, entries).fit(data)  # noqa: E731
+    reports.append(
+        _route_report(
+            label, call, lambda la: (la.H, h_sub), lambda idx: f"H[{idx[0]}, {idx[1]}]", tol
+        )
+    )
+    return reports
+
+
+def _jacnorm_run(model: nn.Module, inputs: Any, method: str) -> Tensor:
+    """``S`` and its gradient w.r.t. every trainable parameter, flat, on a copy of ``model``
+    (the gradient goes into the copy's ``.grad``)."""
+    from .jacnorm import jacobian_sq_norm
+
+    copy_ = copy.deepcopy(model)
+    for p in copy_.parameters():
+        p.grad = None
+    s = jacobian_sq_norm(copy_, inputs, method=method)
+    s.backward()
+    grads = [
+        torch.zeros_like(p) if p.grad is None else p.grad
+        for p in copy_.parameters()
+        if p.requires_grad
+    ]
+    return torch.cat([s.detach().reshape(1), *(g.reshape(-1) for g in grads)])
+
+
+def assert_routes_match(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    *,
+    entries: ParamSubset | str | Sequence[str] | None = None,
+    likelihood: str = "classification",
+    strategies: Sequence[str] = ("vmap", "loop", "bucketed", "padded"),
+    modes: Sequence[str] = ("rev", "fwd"),
+    seed: int = 0,
+    rtol: float = 1e-10,
+    atol: float = 1e-10,
+    strict: bool = False,
+) -> CheckReport:
+    """Assert that every route of every entry point agrees with the loop oracle, falls back
+    or refuses (:func:`check_routes`, whose arguments it takes).
+
+    Returns:
+        The :class:`CheckReport` when no route mismatched or failed.
+
+    Raises:
+        AssertionError: a route gave another number, or raised anything but a ``ValueError``
+            or ``TypeError``.
+    """
+    return _asserted(check_routes(**locals()))  # every argument, passed on as it came

@@ -68,7 +68,51 @@ def _cnn() -> nn.Module:
     )
 
 
-MODELS = {"mlp": (_mlp, (5,)), "cnn": (_cnn, (2, 8, 8)), "shared": (_Shared, (2, 8, 8))}
+class _Pairs(nn.Module):
+    """laplace-torch's reward-modelling example: every item of a sample through one net, the
+    items folded into the batch, ``(B, 3, d) -> (3B, d)``, a score each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, k, d = x.shape
+        return self.net(x.reshape(-1, d)).reshape(b, k)
+
+
+class _Minor(_Pairs):
+    """The same fold taken sample-minor: ``x.transpose(0, 1).reshape(-1, d)``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, k, d = x.shape
+        return self.net(x.transpose(0, 1).reshape(-1, d)).reshape(k, b).t()
+
+
+class _Frames(nn.Module):
+    """Video frames through a conv, folded into the batch: ``(B, T, C, H, W) -> (B T, ...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t = x.shape[:2]
+        h = torch.tanh(self.conv(x.flatten(0, 1))).mean((2, 3))
+        return self.fc(h.reshape(b, t, -1).mean(1))
+
+
+MODELS = {
+    "mlp": (_mlp, (5,)),
+    "cnn": (_cnn, (2, 8, 8)),
+    "shared": (_Shared, (2, 8, 8)),
+    # folding the batch (issue 38): each sample's rows count as calls of their own, as
+    # curvlinops counts them
+    "pairs": (_Pairs, (3, 5)),
+    "minor": (_Minor, (3, 5)),
+    "frames": (_Frames, (3, 2, 6, 6)),
+}
 
 
 def _setup(name: str, likelihood: str) -> tuple[nn.Module, DataLoader]:
@@ -183,7 +227,7 @@ def test_what_laplace_torch_refuses() -> None:
     assert kron_factors(conv3d, loader)["0.weight"].A.shape == (9, 9)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "shared"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "shared", "pairs", "frames"])
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
 def test_kron_laplace_posterior_matches(name: str, likelihood: str) -> None:
     """``multiscale_jac.KronLaplace`` against laplace-torch's ``KronLaplace`` (CurvlinopsGGN):

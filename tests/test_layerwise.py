@@ -423,3 +423,18 @@ def test_conv_kernel_probed_once_per_shape(measuring) -> None:
     assert mj.plan_cache_info().probed == probed
     torch.testing.assert_close(first.flat, second.flat, rtol=1e-5, atol=0)
     mj.clear_plan_cache()
+
+
+@pytest.mark.parametrize(
+    "norm", [lambda: nn.LayerNorm(3), lambda: nn.BatchNorm1d(3).eval()], ids=["layernorm", "bn1d"]
+)
+def test_a_norm_bias_on_rows_leaves_the_gradient_the_backward_goes_on_with(norm) -> None:
+    """A norm's bias on ``(N, C)`` rows: its per-sample gradients are the output gradient
+    itself, squared in place; that once squared the gradient every layer before it received
+    (found by the drawn folding models, tests/test_folding.py: the Linear before it 5 % off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), norm(), nn.Tanh(), nn.Linear(3, 2)).to(DTYPE).eval()
+    x, y = torch.randn(4, 2, dtype=DTYPE), torch.tensor([0, 1, 1, 0])
+    got = mj.diag_fisher(model, [(x, y)], method="layerwise").flat
+    want = mj.diag_fisher(model, [(x, y)], method="vmap").flat
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-15)
