@@ -841,7 +841,8 @@ def first_line(err: BaseException) -> str:
     """The first line of an error's message (at most 200 characters), for notes, and where it
     was raised if a rule mode recorded it (``at Tensor.view in module 'head'``)."""
     text = str(err).strip().splitlines()
-    line = text[0][:200] if text else ""
+    line = text[0] if text else ""
+    line = line if len(line) <= 200 else line[:197].rstrip() + "..."
     at = getattr(err, AT, None)
     return f"{line} (at {at})" if at else line
 

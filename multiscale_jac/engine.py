@@ -643,6 +643,23 @@ class _RouteTiming:
         return len(idx)
 
 
+def _vmap_failure(fn: PerSampleFunction, packed: PackedBatch, randomness: Randomness) -> str | None:
+    """Why the model's forward pass does not run under ``vmap`` over samples (one sample, a
+    batch of one under the transform: an in-place write of a sample's values into a tensor
+    made inside the forward pass, data-dependent control flow), or ``None`` where it runs.
+    A random op under ``randomness="error"`` is the caller's error to raise, not a failure."""
+    levels = packed.stack([packed.buckets()[0].indices[0]])
+    values = fn.values()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            vmap(lambda *lv: fn(values, *lv), randomness=randomness.value)(*levels)
+    except (RuntimeError, NotImplementedError) as err:
+        if "randomness" in str(err):
+            return None
+        return f"{type(err).__name__}: {first_line(err)}"
+    return None
+
+
 class _EngineRun(_RouteTiming):
     """One call: the strategy that runs, its plan, fallbacks and notes."""
 
@@ -688,6 +705,14 @@ class _EngineRun(_RouteTiming):
         if strategy is Strategy.VMAP and buckets > 1:
             why = f"strategy='vmap' needs one shape signature but the batch has {buckets}"
             return self.fall_back(why, Strategy.BUCKETED), None
+        failure = None
+        if strategy is not Strategy.PADDED:  # a padded route plans on its canvases, probed there
+            failure = _vmap_failure(self.fn, self.packed, self.options.randomness)
+        if failure is not None:  # planning a route that cannot run would cost more than the loop
+            name = (Strategy.VMAP if buckets == 1 else Strategy.BUCKETED).value
+            name = name if strategy is Strategy.AUTO else strategy.value
+            why = f"strategy {name!r} failed: the model does not run under vmap ({failure})"
+            return self.fall_back(why, Strategy.LOOP, RuntimeError(failure)), None
         if self.small_job():
             if strategy is not Strategy.AUTO:
                 return strategy, None

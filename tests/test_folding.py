@@ -45,7 +45,9 @@ def test_every_route_on_a_few_drawn_folding_models(case: FoldingCase) -> None:
     _assert_ok(case)
 
 
-def _case(kind: str, n: int = 5, body: str | None = None) -> tuple[FoldingNet, object, torch.Tensor]:
+def _case(
+    kind: str, n: int = 5, body: str | None = None
+) -> tuple[FoldingNet, object, torch.Tensor]:
     body = body or ("conv" if kind in CONV_FOLDS else "linear")
     torch.manual_seed(0)
     model = FoldingNet(kind, body, items=2, features=3, width=4).to(DTYPE).eval()
@@ -70,7 +72,11 @@ def test_the_default_fisher_runs_layerwise_and_is_exact(kind: str, n: int) -> No
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             got = mj.diag_fisher(model, [(x, y)], kind=kind_, tune=False)
-        want = ref if kind_ == "empirical" else mj.diag_fisher(model, [(x, y)], kind=kind_, method="vmap").flat
+        want = (
+            ref
+            if kind_ == "empirical"
+            else mj.diag_fisher(model, [(x, y)], kind=kind_, method="vmap").flat
+        )
         assert torch.allclose(got.flat, want, rtol=1e-10, atol=1e-14)
         assert set(got.plan.values()) <= {"gram", "per_sample", "norm_affine"}, got.plan
 
@@ -142,7 +148,9 @@ def test_kron_factors_of_a_folded_batch_are_those_of_its_samples_one_at_a_time(k
     from multiscale_jac._kfac import kron_factors
 
     model, x, y = _case(kind)
-    params = [n for n, _ in model.named_parameters() if "body" in n and "1." not in n or "head" in n]
+    params = [
+        n for n, _ in model.named_parameters() if ("body" in n and "1." not in n) or "head" in n
+    ]
     batched = kron_factors(model, [(x, y)], params=params)
     alone = kron_factors(model, [(x, y)], params=params, chunk_size=1)
     for a, b in zip(batched.layers, alone.layers):

@@ -77,8 +77,8 @@ def _scatter(x):
 
 def _canvas(x):
     c = x.new_zeros(N, 3, 6, 6)
-    c[:, :, 1:4, 2:5] = x.reshape(N, 2, 3)[:, :, :, None].expand(N, 2, 3, 3)[:, :1].expand(
-        N, 3, 3, 3
+    c[:, :, 1:4, 2:5] = (
+        x.reshape(N, 2, 3)[:, :, :, None].expand(N, 2, 3, 3)[:, :1].expand(N, 3, 3, 3)
     )
     return F.conv2d(c, torch.ones(2, 3, 3, 3, dtype=DTYPE))
 
@@ -128,11 +128,23 @@ OPS: list[tuple[str, Callable, bool]] = [
     ("bmm across samples", lambda x: x.reshape(2, 2, 6) @ x.reshape(2, 6, 2), False),
     ("layer_norm", lambda x: F.layer_norm(x, (3,)), True),
     ("group_norm", lambda x: F.group_norm(x.reshape(N, 6, 1), 2), True),
-    ("batch norm with batch statistics", lambda x: F.batch_norm(x, None, None, training=True), False),
+    (
+        "batch norm with batch statistics",
+        lambda x: F.batch_norm(x, None, None, training=True),
+        False,
+    ),
     ("instance_norm", lambda x: F.instance_norm(x), True),
     ("attention", _attention, True),
-    ("conv over folded rows", lambda x: F.conv1d(x.reshape(2 * N, 1, 3), torch.ones(2, 1, 2, dtype=DTYPE)), True),
-    ("conv with samples in channels", lambda x: F.conv1d(x.reshape(1, 2 * N, 3), torch.ones(1, 2 * N, 2, dtype=DTYPE)), False),
+    (
+        "conv over folded rows",
+        lambda x: F.conv1d(x.reshape(2 * N, 1, 3), torch.ones(2, 1, 2, dtype=DTYPE)),
+        True,
+    ),
+    (
+        "conv with samples in channels",
+        lambda x: F.conv1d(x.reshape(1, 2 * N, 3), torch.ones(1, 2 * N, 2, dtype=DTYPE)),
+        False,
+    ),
     ("pooling", lambda x: F.max_pool1d(x, 2) + F.avg_pool1d(x, 2), True),
     ("interpolate", lambda x: F.interpolate(x, scale_factor=2.0, mode="linear"), True),
     ("unfold", lambda x: F.unfold(x.reshape(N, 1, 2, 3), 2), True),
@@ -212,11 +224,15 @@ def test_an_op_without_a_rule_is_unknown_naming_it_unless_one_sample_owns_everyt
 
 def test_a_learned_row_expanded_over_the_batch_has_no_owner() -> None:
     token = torch.randn(1, 1, 3, dtype=DTYPE)
-    tracker, out = _track(lambda x: token.expand(x.shape[0], 2, 3) @ W, torch.randn(N, 3, dtype=DTYPE))
+    tracker, out = _track(
+        lambda x: token.expand(x.shape[0], 2, 3) @ W, torch.randn(N, 3, dtype=DTYPE)
+    )
     assert tracker.owner(out) is None
     assert "no sample's data" in groups_of(tracker.owner(out), out.shape, 2, N)
     # put in front of each sample's own rows, it takes the sample's owner
-    tracker, out = _track(lambda x: torch.cat([token.expand(N, 1, 3), x[:, None]], 1), torch.randn(N, 3, dtype=DTYPE))
+    tracker, out = _track(
+        lambda x: torch.cat([token.expand(N, 1, 3), x[:, None]], 1), torch.randn(N, 3, dtype=DTYPE)
+    )
     assert tracker.owner(out).reshape(-1).tolist() == [0, 1, 2, 3]
 
 

@@ -1,0 +1,318 @@
+"""Issue 38's measurements: what knowing which sample each row belongs to costs, and the loop.
+
+``--grid speed``: the library's default call (``bench_peers``' ``library()``: ``diag_fisher``
+and ``jacobian_sq_norm(...).backward()`` with their defaults) on the main grid's fisher and
+jacnorm cells (``bench_peers.build_cell``, models that do not fold), at this checkout and at
+another source tree (``--old``, e.g. ``git worktree add /tmp/old <commit>``), side by side:
+in every round, one fresh worker per tree and cell, in alternating order, times two warm-up
+calls, then ``--calls`` warm calls and as many training steps (``bench_peers.train_step``);
+a tree's figure for the round is its median call over its median step, and the table gives
+the median over rounds of each tree and their ratio (new over old).
+
+``--grid loop``: a model that cannot run vectorised over samples and has an op with no
+batching rule (``RoIHead``: RoI pooling per pyramid level written into a buffer made inside
+the forward pass, as torchvision's ``MultiScaleRoIAlign`` does, a custom op without a vmap
+rule, and a box head), the Jacobian w.r.t. the head's tensors: the per-sample ``jacrev`` loop
+a user writes against the library's first, second and warm calls (``strategy="auto"``, which
+falls back to the loop) and ``strategy="loop"``; interleaved rounds in one process, medians;
+peak memory of one call of each in a fresh worker.
+
+Writes ``benchmarks/results/bench_rows.json`` and prints the tables::
+
+    python benchmarks/bench_rows.py --grid speed --old /tmp/old   # minutes
+    python benchmarks/bench_rows.py --grid loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from _common import env_stamp, markdown_table, measure_peak_memory, run_worker, write_json
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev
+
+HERE = Path(__file__).resolve().parent
+CELLS = [
+    *(
+        f"fisher/{m}"
+        for m in ("vgg11_bn_q", "resnet8", "tanh_cnn", "gelu_cnn", "gn_dw", "transformer")
+    ),
+    *(f"jacnorm/{m}" for m in ("cnn3", "cnn8", "tanh_cnn", "gelu_cnn", "gn_dw", "transformer")),
+]
+
+
+# ---------------------------------------------------------------------- speed: two trees
+def speed_worker(cell_id: str, calls: int) -> dict[str, Any]:
+    """In a fresh process whose ``multiscale_jac`` is the tree under test."""
+    import bench_peers as bp
+
+    import multiscale_jac as mj
+
+    workload, model = cell_id.split("/")
+    torch.set_num_threads(2)
+    cell = bp.build_cell(workload, model, quick=False)
+    run = bp.library()(cell, cell.model)
+    step = bp.train_step(cell, cell.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = time.perf_counter()
+        run(cell.batch)
+        first = time.perf_counter() - first
+        run(cell.batch)
+        times, steps = [], []
+        for _ in range(calls):
+            t = time.perf_counter()
+            run(cell.batch)
+            times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            step(cell.batch)
+            steps.append(time.perf_counter() - t)
+    return {
+        "library": mj.__file__,
+        "first_s": first,
+        "call_s": statistics.median(times),
+        "step_s": statistics.median(steps),
+    }
+
+
+def speed_grid(args: argparse.Namespace) -> dict[str, Any]:
+    trees = {"old": Path(args.old).resolve(), "new": HERE.parent}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {"old": [], "new": []} for c in CELLS}
+    for r in range(args.rounds):
+        for k, cell in enumerate(CELLS):
+            order = ["old", "new"] if (r + k) % 2 == 0 else ["new", "old"]
+            for tree in order:
+                env = {"PYTHONPATH": f"{trees[tree]}:{HERE}"}
+                cmd = [str(Path(__file__)), "--worker", cell, "--calls", str(args.calls)]
+                rec = run_worker(cmd, timeout_s=1200, env=env)
+                runs[cell][tree].append(rec)
+                print(f"round {r} {cell} {tree}: {json.dumps(rec)[:160]}", flush=True)
+    rows, cells = [], {}
+    for cell, by_tree in runs.items():
+        steps = {
+            t: [x["call_s"] / x["step_s"] for x in recs if "call_s" in x]
+            for t, recs in by_tree.items()
+        }
+        if not steps["old"] or not steps["new"]:
+            cells[cell] = {"error": [x.get("error") for x in by_tree["old"] + by_tree["new"]]}
+            continue
+        old, new = statistics.median(steps["old"]), statistics.median(steps["new"])
+        cells[cell] = {"old_steps": old, "new_steps": new, "ratio": new / old, "runs": by_tree}
+        rows.append([cell, f"{old:.2f}", f"{new:.2f}", f"{new / old:.3f}"])
+    table = markdown_table(
+        ["cell", "old (training steps)", "new (training steps)", "new / old"], rows
+    )
+    return {"trees": {k: str(v) for k, v in trees.items()}, "cells": cells, "table": table}
+
+
+# ---------------------------------------------------------------------- loop: a model that does not vmap
+@torch.library.custom_op("mj_bench::level_pool", mutates_args=())
+def level_pool(x: Tensor, boxes: Tensor, size: int) -> Tensor:
+    """Average of each box's window of ``x`` ``(C, H, W)`` resized to ``size x size``: an op
+    with no batching rule (vmap loops over it, as it does over torchvision's RoI ops)."""
+    out = [
+        F.adaptive_avg_pool2d(x[:, int(b[1]) : int(b[3]), int(b[0]) : int(b[2])], size)
+        for b in boxes.tolist()
+    ]
+    return torch.stack(out)
+
+
+@level_pool.register_fake
+def _(x: Tensor, boxes: Tensor, size: int) -> Tensor:
+    return x.new_empty(boxes.shape[0], x.shape[0], size, size)
+
+
+def _pool_backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+    x_shape, boxes, size = ctx.x_shape, ctx.boxes, ctx.size
+    gx = g.new_zeros(x_shape)
+    for k, b in enumerate(boxes.tolist()):
+        h, w = int(b[3]) - int(b[1]), int(b[2]) - int(b[0])
+        win = F.interpolate(g[k : k + 1], size=(h, w), mode="nearest")[0] * (size * size / (h * w))
+        gx[:, int(b[1]) : int(b[3]), int(b[0]) : int(b[2])] += win
+    return gx, None, None
+
+
+def _setup(ctx: Any, inputs: tuple, output: Tensor) -> None:
+    ctx.x_shape, ctx.boxes, ctx.size = inputs[0].shape, inputs[1], inputs[2]
+
+
+level_pool.register_autograd(_pool_backward, setup_context=_setup)
+
+
+class RoIHead(nn.Module):
+    """Boxes pooled from the level their size picks, written into a buffer made in the
+    forward pass (``MultiScaleRoIAlign``'s pattern), then a two-layer box head per box."""
+
+    def __init__(self, channels: int = 16, boxes: int = 8, rep: int = 64, classes: int = 5):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        xy = torch.randint(0, 24, (boxes, 2), generator=g).float()
+        wh = torch.randint(4, 16, (boxes, 2), generator=g).float()
+        self.register_buffer("boxes", torch.cat([xy, xy + wh], 1))
+        self.fc6 = nn.Linear(channels * 16, rep)
+        self.fc7 = nn.Linear(rep, rep)
+        self.cls = nn.Linear(rep, classes)
+
+    def forward(self, levels: list[Tensor]) -> Tensor:
+        p2, p3 = levels
+        n, k = p2.shape[0], self.boxes.shape[0]
+        big = (self.boxes[:, 2] - self.boxes[:, 0]) > 10
+        pooled = torch.zeros(n, k, p2.shape[1], 4, 4, dtype=p2.dtype, device=p2.device)
+        for i in range(n):
+            pooled[i, ~big] = level_pool(p2[i], self.boxes[~big], 4)
+            pooled[i, big] = level_pool(p3[i], self.boxes[big] / 2, 4)
+        h = F.relu(self.fc7(F.relu(self.fc6(pooled.flatten(2)))))
+        return self.cls(h).flatten(1)
+
+
+def _loop_setup(n: int) -> tuple[nn.Module, list[Tensor], list[str]]:
+    torch.manual_seed(0)
+    model = RoIHead().eval()
+    g = torch.Generator().manual_seed(1)
+    levels = [torch.randn(n, 16, 40, 40, generator=g), torch.randn(n, 16, 20, 20, generator=g)]
+    return model, levels, ["fc6.*", "fc7.*", "cls.*"]
+
+
+def user_jacrev_loop(model: nn.Module, levels: list[Tensor]) -> Tensor:
+    """What a user writes: ``jacrev`` of each sample (a batch of one) w.r.t. the head."""
+    params = dict(model.named_parameters())
+    names = [n for n in params if not n.startswith("boxes")]
+    sub = {n: params[n].detach() for n in names}
+    rows = []
+    for i in range(levels[0].shape[0]):
+        x = [t[i : i + 1] for t in levels]
+
+        def f(p: dict[str, Tensor], x: list[Tensor] = x) -> Tensor:
+            return functional_call(model, {**params, **p}, (x,)).reshape(-1)
+
+        jac = jacrev(f)(sub)
+        rows.append(torch.cat([jac[n].reshape(jac[n].shape[0], -1) for n in names], 1))
+    return torch.stack(rows)
+
+
+def loop_grid(args: argparse.Namespace) -> dict[str, Any]:
+    import multiscale_jac as mj
+
+    torch.set_num_threads(2)
+    model, levels, params = _loop_setup(args.n)
+    step_model = RoIHead().train()
+    opt = torch.optim.SGD(step_model.parameters(), lr=1e-4)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        step_model(levels).square().sum().backward()
+        opt.step()
+
+    def library(**kw: Any) -> Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return mj.per_sample_jacobian(model, levels, params=params, **kw).jacobian
+
+    want = user_jacrev_loop(model, levels)
+    mj.clear_plan_cache()
+    firsts = {}
+    for name in ("first", "second"):
+        t = time.perf_counter()
+        got = library()
+        firsts[name] = time.perf_counter() - t
+    res = mj.per_sample_jacobian(model, levels, params=params)
+    err = float((got - want).abs().max() / want.abs().max())
+    methods = {
+        "user jacrev loop": lambda: user_jacrev_loop(model, levels),
+        "library, auto (warm)": library,
+        "library, strategy='loop'": lambda: library(strategy="loop"),
+        "training step": train_step,
+    }
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for _ in range(args.rounds):
+        for k, f in methods.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    user = med["user jacrev loop"]
+    rows = [
+        [
+            "library, auto: first call",
+            f"{firsts['first'] * 1e3:.1f}",
+            f"{firsts['first'] / user:.2f}",
+        ],
+        [
+            "library, auto: second call",
+            f"{firsts['second'] * 1e3:.1f}",
+            f"{firsts['second'] / user:.2f}",
+        ],
+    ]
+    rows += [[k, f"{v * 1e3:.1f}", f"{v / user:.2f}"] for k, v in med.items()]
+    memory = {
+        k: run_worker([str(Path(__file__)), "--memory", k, "--n", str(args.n)], timeout_s=600)
+        for k in ("user", "auto", "loop")
+    }
+    table = markdown_table(["method", "ms", "/ user's jacrev loop"], rows)
+    return {
+        "N": args.n,
+        "strategy": str(res.strategy),
+        "fallback": res.fallback,
+        "max_relative_error": err,
+        "first_s": firsts,
+        "median_s": med,
+        "step_ratio": {k: v / med["training step"] for k, v in med.items()},
+        "times": times,
+        "memory": memory,
+        "table": table,
+    }
+
+
+def memory_worker(which: str, n: int) -> dict[str, Any]:
+    import multiscale_jac as mj
+
+    torch.set_num_threads(2)
+    model, levels, params = _loop_setup(n)
+    warnings.simplefilter("ignore")
+    calls = {
+        "user": lambda: user_jacrev_loop(model, levels),
+        "auto": lambda: mj.per_sample_jacobian(model, levels, params=params),
+        "loop": lambda: mj.per_sample_jacobian(model, levels, params=params, strategy="loop"),
+    }
+    return measure_peak_memory(calls[which], "cpu")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--grid", choices=("speed", "loop"), default="loop")
+    p.add_argument("--old", help="the other source tree (--grid speed)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=5, help="warm calls per worker (--grid speed)")
+    p.add_argument("--n", type=int, default=16, help="samples (--grid loop)")
+    p.add_argument("--out", default=str(HERE / "results" / "bench_rows.json"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--memory", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(speed_worker(args.worker, args.calls)))
+        return 0
+    if args.memory:
+        print(json.dumps(memory_worker(args.memory, args.n)))
+        return 0
+    if args.grid == "speed" and not args.old:
+        p.error("--grid speed needs --old PATH (the source tree to compare with)")
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    result = speed_grid(args) if args.grid == "speed" else loop_grid(args)
+    results[args.grid] = {"env": env_stamp("cpu"), **result}
+    write_json(out, results)
+    print(result["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
