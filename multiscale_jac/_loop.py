@@ -9,6 +9,8 @@ cannot vectorise either runs one row at a time (the loop reference,
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torch.func import jacrev
@@ -34,31 +36,59 @@ def sample_loop(
         return out, out.detach()
 
     rows_of = jacrev(with_output, argnums=0, has_aux=True)
-    rows: list[Tensor] = []
-    outs: list[Tensor] = []
-    for i in range(packed.num_samples):
+    n = packed.num_samples
+    # the subset's columns already tensor by tensor: each tensor's rows go straight into place
+    probe = values[0].new_empty((0, subset.numel))
+    grouped_order = subset.to_flat_order(probe) is probe
+    jac = values[0].new_empty((n, 0, subset.numel))
+    outputs = values[0].new_empty((n, 0))
+    sizes: list[int] = []
+    for i in range(n):
         levels = tuple(packed.sample(i))
         try:
             with torch.enable_grad():
-                jac, out = rows_of(values, *levels)
+                parts, out = rows_of(values, *levels)
         except (RuntimeError, NotImplementedError) as err:
             notes.append(
                 f"loop: jacrev cannot vectorise sample {i}'s rows ({type(err).__name__}: "
                 f"{str(err).splitlines()[0][:160]}); one row at a time from there"
             )
-            jac_rest, out_rest, sizes_rest = loop_jacobian(
-                fn, packed.select(list(range(i, packed.num_samples)))
-            )
-            rows += [jac_rest[k, :o] for k, o in enumerate(sizes_rest)]
-            outs += [out_rest[k, :o] for k, o in enumerate(sizes_rest)]
+            rest, out_rest, sizes_rest = loop_jacobian(fn, packed.select(list(range(i, n))))
+            jac, outputs = _fit_rows(jac, outputs, rest.shape[1], i)
+            jac[i:, : rest.shape[1]] = rest
+            jac[i:, rest.shape[1] :] = 0
+            outputs[i:, : rest.shape[1]] = out_rest
+            outputs[i:, rest.shape[1] :] = 0
+            sizes += sizes_rest
             break
-        grouped = torch.cat([j.reshape(j.shape[0], -1) for j in jac], 1)
-        rows.append(subset.to_flat_order(grouped))
-        outs.append(out)
-    sizes = tuple(int(r.shape[0]) for r in rows)
-    result = values[0].new_zeros((packed.num_samples, max(sizes, default=0), subset.numel))
-    outputs = result.new_zeros(result.shape[:2])
-    for i, (r, o) in enumerate(zip(rows, outs)):
-        result[i, : r.shape[0]] = r
-        outputs[i, : o.numel()] = o
-    return result, outputs, sizes
+        rows = out.numel()
+        jac, outputs = _fit_rows(jac, outputs, rows, i)
+        target = jac[i, :rows]
+        if grouped_order:
+            start = 0
+            for part in parts:
+                width = math.prod(part.shape[1:])
+                target[:, start : start + width] = part.reshape(rows, width)
+                start += width
+        else:
+            target.copy_(subset.to_flat_order(torch.cat([p.reshape(rows, -1) for p in parts], 1)))
+        jac[i, rows:] = 0
+        outputs[i, :rows] = out.reshape(-1)
+        outputs[i, rows:] = 0
+        sizes.append(rows)
+    return jac, outputs, tuple(sizes)
+
+
+def _fit_rows(jac: Tensor, outputs: Tensor, rows: int, filled: int) -> tuple[Tensor, Tensor]:
+    """``jac`` ``(N, O, P)`` and ``outputs`` ``(N, O)`` with room for ``rows`` rows: grown (the
+    ``filled`` samples so far copied, their new rows zero) where a sample has more outputs
+    than any before it."""
+    if rows <= jac.shape[1]:
+        return jac, outputs
+    grown = jac.new_empty((jac.shape[0], rows, jac.shape[2]))
+    grown_out = outputs.new_empty((outputs.shape[0], rows))
+    grown[:filled, : jac.shape[1]] = jac[:filled]
+    grown[:filled, jac.shape[1] :] = 0
+    grown_out[:filled, : outputs.shape[1]] = outputs[:filled]
+    grown_out[:filled, outputs.shape[1] :] = 0
+    return grown, grown_out

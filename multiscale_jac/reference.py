@@ -2,8 +2,10 @@
 
 One sample at a time (run as a batch of one, exactly as the engine calls the model), one output
 row at a time, plain ``torch.autograd.grad`` w.r.t. the *whole* selected parameter tensors,
-then the selected entries are picked out. It is also the engine's last-resort fallback
-(``strategy="loop"``).
+then the selected entries are picked out. The engine's ``strategy="loop"``
+(:mod:`~multiscale_jac._loop`) is a faster loop, a sample's rows at once by ``jacrev``; it
+runs this one's code (:func:`loop_jacobian`) only for a sample whose rows ``jacrev`` cannot
+vectorise.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -347,6 +348,53 @@ def test_vmap_failure_falls_back_to_loop_and_is_recorded() -> None:
         RuntimeError, match=r"strategy .vmap. failed.* strict=True forbids running .loop."
     ):
         mj.per_sample_jacobian(model, x, strict=True)
+
+
+def test_a_vmap_failure_is_remembered_for_the_shapes_and_still_recorded() -> None:
+    model = _DataDependent().double()
+    x = batched_tensor(5, (5,))
+    ref = per_sample_jacobian_loop(model, x)
+    with pytest.warns(mj.FallbackWarning):
+        first = mj.per_sample_jacobian(model, x)
+    with pytest.warns(mj.FallbackWarning, match="on an earlier call with these shapes"):
+        second = mj.per_sample_jacobian(model, x)
+    assert second.strategy == "loop" and "vmap" in second.fallback
+    assert_same(first, ref)
+    assert_same(second, ref)
+
+
+class _OldStyleSquare(torch.autograd.Function):
+    """A custom function without ``setup_context``: neither vmap nor jacrev can run it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class _OldStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OldStyleSquare.apply(self.fc(x))
+
+
+def test_the_loop_runs_rows_one_at_a_time_where_jacrev_cannot_and_notes_it() -> None:
+    model = _OldStyle().double()
+    x = batched_tensor(3, (5,))
+    ref = per_sample_jacobian_loop(model, x)
+    with pytest.warns(mj.FallbackWarning, match="ran 'loop'"):
+        res = mj.per_sample_jacobian(model, x)
+    assert res.strategy == "loop"
+    assert any("one row at a time" in n for n in res.notes)
+    assert_same(res, ref)
 
 
 def test_strict_vmap_on_ragged_batch_raises() -> None:
