@@ -511,6 +511,19 @@ def packing_table(results: dict[str, Any]) -> str:
 
 
 #: the published blocks: name -> markdown from the results
+def rows_table(results: dict[str, Any], grid: str) -> str:
+    """``bench_rows.py``'s table for ``grid`` (``speed``, ``loop``) and what produced it."""
+    r = results[grid]
+    env = r["env"]
+    stamp = (
+        f"torch {env['torch']}, {env['torch_threads']} threads, {env['cpu_model']}, "
+        f"commit {str(env.get('git_commit'))[:7]}, {env['date_utc'][:10]}"
+    )
+    if grid == "loop":
+        stamp += f"; N={r['N']}, ran {r['strategy']!r}, max relative error {r['max_relative_error']:.1e}"
+    return f"{r['table'].rstrip()}\n\n({stamp})\n"
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "readme": readme_table,
     "runs": runs_page,
@@ -531,6 +544,8 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "laplace-diag": laplace_diag_table,
     "ci": ci_times,
     "packing": packing_table,
+    "rows-speed": lambda r: rows_table(r, "speed"),
+    "rows-loop": lambda r: rows_table(r, "loop"),
 }
 #: the report's section per named grid
 SECTIONS: dict[str, Callable[[dict[str, Any]], str]] = {

@@ -35,12 +35,14 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = [
     "BIG",
     "OWNER_DTYPE",
+    "VALUE_FREE",
     "Mixed",
     "Unknown",
     "agree",
@@ -78,21 +80,23 @@ class Mixed(Unknown):
 # ---------------------------------------------------------------------- owner algebra
 def compress(o: Owner) -> Owner:
     """``o`` with every dim along which it agrees (``-1`` agreeing with anything) reduced to
-    size 1; ``None`` if it is ``-1`` everywhere."""
+    size 1; ``None`` if it is ``-1`` everywhere. (NumPy: owners are small CPU tensors, and
+    NumPy's calls on them cost a fraction of torch's.)"""
     if o is None:
         return None
-    for d in range(o.dim()):  # broadcast dims first: free
-        if o.size(d) > 1 and o.stride(d) == 0:
-            o = o.narrow(d, 0, 1)
-    for d in range(o.dim()):
-        if o.size(d) > 1:
-            hi = o.amax(d, keepdim=True)
-            lo = torch.where(o < 0, BIG, o).amin(d, keepdim=True)
-            if bool(((lo == hi) | (lo == BIG)).all()):
-                o = hi
-    if bool((o < 0).all()):
+    a = o.numpy()
+    for d in range(a.ndim):  # broadcast dims first: free
+        if a.shape[d] > 1 and a.strides[d] == 0:
+            a = a[(slice(None),) * d + (slice(0, 1),)]
+    for d in range(a.ndim):
+        if a.shape[d] > 1:
+            hi = a.max(axis=d, keepdims=True)
+            lo = np.where(a < 0, BIG, a).min(axis=d, keepdims=True)
+            if ((lo == hi) | (lo == BIG)).all():
+                a = hi
+    if (a < 0).all():
         return None
-    return o.contiguous()
+    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _check(hi: Tensor, lo: Tensor, op: str) -> Tensor:
@@ -970,6 +974,14 @@ _RULES: list[tuple[Rule, str]] = [
     ),
 ]
 _TABLE = {name: rule for rule, names in _RULES for name in names.split()}
+#: rules that read a tensor argument's values (indices, masks, boxes), not only its owner
+_READS_VALUES = (
+    _index, _index_put, _index_select, _gather, _scatter, _index_write, _masked_scatter,
+    _masked_select, _nonzero, _take, _repeat_interleave, _roi_align,
+)  # fmt: skip
+#: the rules whose result is a function of the op, its arguments' shapes, strides and non-tensor
+#: values and its inputs' owners alone: :mod:`~multiscale_jac.rows` keeps their results
+VALUE_FREE = frozenset(rule for rule, _ in _RULES if rule not in _READS_VALUES)
 
 
 def _packet(func: Any) -> str:

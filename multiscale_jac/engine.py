@@ -90,6 +90,7 @@ from .enums import (
 )
 from .packing import PackedBatch
 from .result import JacobianResult, output_mask_from_sizes
+from .rows import clear_row_cache
 from .subset import ParamSubset
 
 __all__ = [
@@ -134,9 +135,12 @@ def clear_plan_cache() -> None:
     the same shapes pays no measuring pass, survey or probe. The layer-wise rules' measured
     convolution kernels (per layer and size class, the layer held weakly) go too. It is state
     of the kind torch keeps for cuDNN autotuning; nothing is stored on the model. Decisions
-    read from a file (:func:`multiscale_jac.tuning.load`) go too.
+    read from a file (:func:`multiscale_jac.tuning.load`) go too, and so do the row rules'
+    kept results (:mod:`multiscale_jac.rows`: which sample each row of a layer belongs to, by
+    op, shapes and owners; plain data, at most 8,192 entries).
     """
     clear_decisions()
+    clear_row_cache()
 
 
 @one_call

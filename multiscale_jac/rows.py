@@ -40,9 +40,9 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ._row_rules import OWNER_DTYPE, Mixed, Unknown, agree, compress, fit, rule_for
+from ._row_rules import OWNER_DTYPE, VALUE_FREE, Mixed, Unknown, agree, compress, fit, rule_for
 
-__all__ = ["RowGroups", "RowTracker", "Unknown", "groups_of", "output_rows"]
+__all__ = ["RowGroups", "RowTracker", "Unknown", "clear_row_cache", "groups_of", "output_rows"]
 
 Owner = Tensor | None
 
@@ -106,6 +106,61 @@ def _storage(t: Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return -1
+
+
+#: the owners a value-free rule gave, by what they are a function of (the op, its arguments'
+#: shapes, strides, non-tensor values and owners, its outputs' shapes): a batched run of the
+#: same model on the same shapes asks the same questions. Plain data (no tensor of the user's),
+#: at most ``_MEMO_SIZE`` entries, emptied when full and by :func:`clear_row_cache`
+#: (:func:`multiscale_jac.clear_plan_cache` calls it).
+_MEMO: dict[tuple, tuple] = {}
+_MEMO_SIZE = 8192
+
+
+def clear_row_cache() -> None:
+    """Forget the row rules' kept results."""
+    _MEMO.clear()
+
+
+def _token(o: Owner | Unknown) -> Any:
+    """What an owner is, as a hashable value (``None`` for an unknown one: nothing is kept)."""
+    if o is None:
+        return ()
+    if isinstance(o, Unknown):
+        return None
+    return (tuple(o.shape), o.numpy().tobytes())
+
+
+def _describe(v: Any, tokens: dict[int, Any]) -> Any:
+    if isinstance(v, Tensor):
+        return (tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, tokens[id(v)])
+    if isinstance(v, (list, tuple)):
+        return tuple(_describe(x, tokens) for x in v)
+    return v
+
+
+def _memo_key(func: Any, args: tuple, kwargs: dict, out: Any, before: _Before) -> tuple | None:
+    """The key of ``func``'s outputs' owners, or ``None`` where they are not kept: a rule that
+    reads values, an in-place write other than to an output, an unknown input."""
+    if rule_for(func) not in VALUE_FREE or before.bases:
+        return None
+    tokens = {k: _token(o) for k, o in before.owners.items()}
+    if None in tokens.values():
+        return None
+    outs = _outputs(out)
+    if any(not any(w is t for t in outs) for w in before.written):
+        return None
+    try:
+        key = (
+            func,
+            _describe(args, tokens),
+            tuple((k, _describe(v, tokens)) for k, v in kwargs.items()),
+            tuple(None if t is None else (tuple(t.shape), t.stride()) for t in outs),
+        )
+        hash(key)
+    except (TypeError, KeyError):  # an unhashable argument, a tensor in an odd place
+        return None
+    return key
 
 
 class _Ctx:
@@ -199,7 +254,19 @@ class RowTracker(TorchDispatchMode):
         before = self._before(func, args, kwargs)
         out = func(*args, **kwargs)
         try:
-            self._store(out, before, self._result(func, args, kwargs, out, before))
+            if not before.written and all(o is None for o in before.owners.values()):
+                self._store(out, before, None)  # weights, constants: no sample's data
+                return out
+            key = _memo_key(func, args, kwargs, out, before)
+            kept = _MEMO.get(key) if key is not None else None
+            if kept is not None:
+                self._store(out, before, kept, settled=True)
+                return out
+            owners = self._store(out, before, self._result(func, args, kwargs, out, before))
+            if key is not None:
+                if len(_MEMO) >= _MEMO_SIZE:
+                    _MEMO.clear()
+                _MEMO[key] = owners
         except Exception as err:  # a rule's own failure: the outputs are unknown
             self.errors.append(f"{func}: {type(err).__name__}: {err}")
             self._store(out, before, Unknown(f"{func} (its row rule failed: {err})"))
@@ -232,9 +299,10 @@ class RowTracker(TorchDispatchMode):
         except Unknown as why:
             return why
 
-    def _store(self, out: Any, before: _Before, result: Any) -> None:
+    def _store(self, out: Any, before: _Before, result: Any, settled: bool = False) -> tuple:
         """Record the owners of ``out`` (``result``: one owner or Unknown for every output, or
-        one per output) and of the tensors written in place, their bases included."""
+        one per output; ``settled``: one per output as recorded before) and of the tensors
+        written in place, their bases included; the owners recorded for the outputs."""
         outs = _outputs(out)
         per = list(result) if isinstance(result, (list, tuple)) else [result] * len(outs)
         for w in before.written:
@@ -242,16 +310,19 @@ class RowTracker(TorchDispatchMode):
             self._writes[key] = self._writes.get(key, 0) + 1
         for t, o in zip(outs, per):
             if t is not None:
-                self._set(t, o)
+                self._set(t, o, settled)
+        if settled:
+            return tuple(per)
         for w in before.written:
             if not any(w is t for t in outs):
                 self._set(w, per[0] if per else result)
             base = w._base
             if base is not None:
                 self._set(base, self._place(base, before.bases.get(id(w)), w))
+        return tuple(None if t is None else self._records[t][0] for t in outs)
 
-    def _set(self, t: Tensor, o: Any) -> None:
-        if not isinstance(o, Unknown) and o is not None:
+    def _set(self, t: Tensor, o: Any, settled: bool = False) -> None:
+        if not settled and not isinstance(o, Unknown) and o is not None:
             o = compress(fit(o.to(OWNER_DTYPE), t))
         self._records[t] = (o, self._writes.get(_storage(t), 0) if self._writes else 0)
 

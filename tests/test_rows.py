@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import multiscale_jac as mj
+from multiscale_jac import rows
 from multiscale_jac._row_rules import Unknown, combine, compress, reshape_owner
-from multiscale_jac.rows import RowTracker, groups_of, output_rows
+from multiscale_jac.rows import RowTracker, clear_row_cache, groups_of, output_rows
 
 N = 4
 DTYPE = torch.float64
@@ -160,6 +162,47 @@ def test_owners_are_sound_and_known(name: str, f: Callable, known: bool) -> None
         assert not isinstance(owner, Unknown), owner
     else:
         assert isinstance(owner, Unknown) and "mixes samples" in owner.reason
+
+
+def _same_owner(a: object, b: object) -> bool:
+    if isinstance(a, Unknown) or isinstance(b, Unknown):
+        return isinstance(a, Unknown) and isinstance(b, Unknown) and a.reason == b.reason
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and bool((a == b).all())
+
+
+@pytest.mark.parametrize(("name", "f", "known"), OPS, ids=[o[0] for o in OPS])
+def test_kept_rule_results_give_the_owners_the_rules_give(
+    name: str, f: Callable, known: bool
+) -> None:
+    """The second run of the same shapes reads the rules' kept results: the same owners,
+    sound; a rule that reads values (indices, masks) is never kept."""
+    x = torch.randn(N, 2, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+    clear_row_cache()
+    first, first_out = _track(f, x)  # the rules run
+    kept = len(rows._MEMO)
+    tracker, out = _track(f, x)  # their kept results
+    assert _same_owner(tracker.owner(out), first.owner(first_out))
+    assert len(rows._MEMO) == kept  # every kept question answered from the cache
+    _check_sound(f, x)  # sound with the kept results in place
+
+
+def test_rows_permuted_by_values_are_followed_on_every_call() -> None:
+    """Index values are read on every call: the same shapes with another permutation give
+    other owners."""
+    clear_row_cache()
+    for seed in range(3):
+        perm = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+        tracker, out = _track(lambda x, perm=perm: (x * 2)[perm].tanh(), torch.randn(N, 3))
+        assert tracker.owner(out).reshape(-1).tolist() == perm.tolist()
+
+
+def test_clear_plan_cache_forgets_the_kept_rule_results() -> None:
+    _track(lambda x: (x @ W.T).tanh().sum(1), torch.randn(N, 5, dtype=DTYPE))
+    assert rows._MEMO
+    mj.clear_plan_cache()
+    assert not rows._MEMO
 
 
 def test_a_fold_gives_each_row_its_sample() -> None:
