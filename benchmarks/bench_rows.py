@@ -1,4 +1,4 @@
-"""Issue 38's measurements: what knowing which sample each row belongs to costs, and the loop.
+"""What knowing which sample each row belongs to costs, and what the loop costs.
 
 ``--grid speed``: the library's default call (``bench_peers``' ``library()``: ``diag_fisher``
 and ``jacobian_sq_norm(...).backward()`` with their defaults) on the main grid's fisher and
@@ -6,8 +6,10 @@ jacnorm cells (``bench_peers.build_cell``, models that do not fold), at this che
 another source tree (``--old``, e.g. ``git worktree add /tmp/old <commit>``), side by side:
 in every round, one fresh worker per tree and cell, in alternating order, times two warm-up
 calls, then ``--calls`` warm calls and as many training steps (``bench_peers.train_step``);
-a tree's figure for the round is its median call over its median step, and the table gives
-the median over rounds of each tree and their ratio (new over old).
+a tree's figure for the round is its median call over its median step. The table gives the
+median over rounds of each tree and their ratio (new over old), the median of the rounds' own
+ratios (``paired``: the two workers of a round ran back to back) and the median ratio of the
+calls' seconds; ``--cells`` reruns some cells and keeps the others' results.
 
 ``--grid loop``: a model that cannot run vectorised over samples and has an op with no
 batching rule (``RoIHead``: RoI pooling per pyramid level written into a buffer made inside
@@ -86,9 +88,12 @@ def speed_worker(cell_id: str, calls: int) -> dict[str, Any]:
 
 def speed_grid(args: argparse.Namespace) -> dict[str, Any]:
     trees = {"old": Path(args.old).resolve(), "new": HERE.parent}
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {"old": [], "new": []} for c in CELLS}
+    cells_run = args.cells.split(",") if args.cells else CELLS
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        c: {"old": [], "new": []} for c in cells_run
+    }
     for r in range(args.rounds):
-        for k, cell in enumerate(CELLS):
+        for k, cell in enumerate(cells_run):
             order = ["old", "new"] if (r + k) % 2 == 0 else ["new", "old"]
             for tree in order:
                 env = {"PYTHONPATH": f"{trees[tree]}:{HERE}"}
@@ -96,22 +101,46 @@ def speed_grid(args: argparse.Namespace) -> dict[str, Any]:
                 rec = run_worker(cmd, timeout_s=1200, env=env)
                 runs[cell][tree].append(rec)
                 print(f"round {r} {cell} {tree}: {json.dumps(rec)[:160]}", flush=True)
-    rows, cells = [], {}
+    cells: dict[str, Any] = {}
     for cell, by_tree in runs.items():
-        steps = {
-            t: [x["call_s"] / x["step_s"] for x in recs if "call_s" in x]
-            for t, recs in by_tree.items()
-        }
-        if not steps["old"] or not steps["new"]:
+        pairs = [
+            (o["call_s"] / o["step_s"], n["call_s"] / n["step_s"], n["call_s"] / o["call_s"])
+            for o, n in zip(by_tree["old"], by_tree["new"])
+            if "call_s" in o and "call_s" in n
+        ]
+        if not pairs:
             cells[cell] = {"error": [x.get("error") for x in by_tree["old"] + by_tree["new"]]}
             continue
-        old, new = statistics.median(steps["old"]), statistics.median(steps["new"])
-        cells[cell] = {"old_steps": old, "new_steps": new, "ratio": new / old, "runs": by_tree}
-        rows.append([cell, f"{old:.2f}", f"{new:.2f}", f"{new / old:.3f}"])
-    table = markdown_table(
-        ["cell", "old (training steps)", "new (training steps)", "new / old"], rows
-    )
-    return {"trees": {k: str(v) for k, v in trees.items()}, "cells": cells, "table": table}
+        old = statistics.median(p[0] for p in pairs)
+        new = statistics.median(p[1] for p in pairs)
+        cells[cell] = {
+            "old_steps": old,
+            "new_steps": new,
+            "ratio": new / old,
+            "paired": statistics.median(p[1] / p[0] for p in pairs),
+            "seconds": statistics.median(p[2] for p in pairs),
+            "rounds": len(pairs),
+            "runs": by_tree,
+        }
+    return {"trees": {k: str(v) for k, v in trees.items()}, "cells": cells}
+
+
+def speed_table(cells: dict[str, Any]) -> str:
+    rows = [
+        [
+            cell,
+            c["rounds"],
+            f"{c['old_steps']:.2f}",
+            f"{c['new_steps']:.2f}",
+            f"{c['ratio']:.2f}",
+            f"{c['paired']:.2f}",
+            f"{c['seconds']:.2f}",
+        ]
+        for cell, c in cells.items()
+        if "ratio" in c
+    ]
+    heads = ["cell", "rounds", "old (steps)", "new (steps)", "new / old", "paired", "seconds"]
+    return markdown_table(heads, rows)
 
 
 # ---------------------------------------------------------------------- loop: a model that does not vmap
@@ -293,6 +322,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=5, help="warm calls per worker (--grid speed)")
     p.add_argument("--n", type=int, default=16, help="samples (--grid loop)")
+    p.add_argument("--cells", help="comma-separated cells (--grid speed; default: all)")
     p.add_argument("--out", default=str(HERE / "results" / "bench_rows.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--memory", help=argparse.SUPPRESS)
@@ -308,6 +338,10 @@ def main() -> int:
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
     result = speed_grid(args) if args.grid == "speed" else loop_grid(args)
+    if args.grid == "speed":  # a run of some cells replaces those cells only
+        kept = results.get("speed", {}).get("cells", {}) if args.cells else {}
+        result["cells"] = {**kept, **result["cells"]}
+        result["table"] = speed_table(result["cells"])
     results[args.grid] = {"env": env_stamp("cpu"), **result}
     write_json(out, results)
     print(result["table"])

@@ -122,13 +122,18 @@ def clear_row_cache() -> None:
     _MEMO.clear()
 
 
-def _token(o: Owner | Unknown) -> Any:
-    """What an owner is, as a hashable value (``None`` for an unknown one: nothing is kept)."""
+def _token(o: Owner | Unknown, seen: dict[int, tuple[Tensor, Any]]) -> Any:
+    """What an owner is, as a hashable value (``None`` for an unknown one: nothing is kept);
+    ``seen`` keeps the tokens of the owners met so far (and the owners, so that an id stays
+    theirs)."""
     if o is None:
         return ()
     if isinstance(o, Unknown):
         return None
-    return (tuple(o.shape), o.numpy().tobytes())
+    hit = seen.get(id(o))
+    if hit is None:
+        hit = seen[id(o)] = (o, (tuple(o.shape), o.numpy().tobytes()))
+    return hit[1]
 
 
 def _describe(v: Any, tokens: dict[int, Any]) -> Any:
@@ -139,12 +144,14 @@ def _describe(v: Any, tokens: dict[int, Any]) -> Any:
     return v
 
 
-def _memo_key(func: Any, args: tuple, kwargs: dict, out: Any, before: _Before) -> tuple | None:
+def _memo_key(
+    func: Any, args: tuple, kwargs: dict, out: Any, before: _Before, seen: dict
+) -> tuple | None:
     """The key of ``func``'s outputs' owners, or ``None`` where they are not kept: a rule that
     reads values, an in-place write other than to an output, an unknown input."""
     if rule_for(func) not in VALUE_FREE or before.bases:
         return None
-    tokens = {k: _token(o) for k, o in before.owners.items()}
+    tokens = {k: _token(o, seen) for k, o in before.owners.items()}
     if None in tokens.values():
         return None
     outs = _outputs(out)
@@ -204,6 +211,7 @@ class RowTracker(TorchDispatchMode):
         # (a view's version counter is not yet shared with its base where the mode sees it)
         self._writes: dict[int, int] = {}
         self._paused = 0
+        self._tokens: dict[int, tuple[Tensor, Any]] = {}
 
     def mark_inputs(self, inputs: Sequence[Tensor]) -> None:
         """The model's inputs ``(n, ...)``: row ``i`` is sample ``i``."""
@@ -257,7 +265,7 @@ class RowTracker(TorchDispatchMode):
             if not before.written and all(o is None for o in before.owners.values()):
                 self._store(out, before, None)  # weights, constants: no sample's data
                 return out
-            key = _memo_key(func, args, kwargs, out, before)
+            key = _memo_key(func, args, kwargs, out, before, self._tokens)
             kept = _MEMO.get(key) if key is not None else None
             if kept is not None:
                 self._store(out, before, kept, settled=True)
