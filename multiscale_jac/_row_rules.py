@@ -99,12 +99,12 @@ def compress(o: Owner) -> Owner:
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
-def _check(hi: Tensor, lo: Tensor, op: str) -> Tensor:
+def _check(hi: np.ndarray, lo: np.ndarray, op: str) -> Tensor:
     bad = (lo != BIG) & (lo != hi)
-    if bool(bad.any()):
-        at = bad.nonzero()[0]
-        raise Mixed(op, int(lo[tuple(at)]), int(hi[tuple(at)]))
-    return hi
+    if bad.any():
+        at = tuple(np.argwhere(bad)[0])
+        raise Mixed(op, int(lo[at]), int(hi[at]))
+    return torch.from_numpy(np.ascontiguousarray(hi))
 
 
 def combine(owners: Sequence[Owner], op: str) -> Owner:
@@ -113,9 +113,10 @@ def combine(owners: Sequence[Owner], op: str) -> Owner:
     for o in owners:
         if o is None:
             continue
-        low = torch.where(o < 0, BIG, o)
-        hi = o if hi is None else torch.maximum(hi, o)
-        lo = low if lo is None else torch.minimum(lo, low)
+        a = o.numpy()
+        low = np.where(a < 0, BIG, a)
+        hi = a if hi is None else np.maximum(hi, a)
+        lo = low if lo is None else np.minimum(lo, low)
     if hi is None or lo is None:
         return None
     return _check(hi, lo, op)
@@ -129,8 +130,10 @@ def agree(o: Owner, dims: Sequence[int] | None, op: str, *, keepdim: bool = True
     dims = list(range(nd)) if dims is None else sorted({d % nd for d in dims} if nd else set())
     if not dims:
         return o
-    hi = o.amax(dims, keepdim=True)
-    lo = torch.where(o < 0, BIG, o).amin(dims, keepdim=True)
+    a = o.numpy()
+    axes = tuple(dims)
+    hi = a.max(axis=axes, keepdims=True)
+    lo = np.where(a < 0, BIG, a).min(axis=axes, keepdims=True)
     out = _check(hi, lo, op)
     return out if keepdim else out.squeeze(dims)
 
