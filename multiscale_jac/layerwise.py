@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_leaves
 
 from ._memory import chunk_in, tensor_bytes
 from ._ops import named, numeric_padding
+from ._row_replay import ROW_PLANS, RowPlan, describe
 from ._tuning import KERNEL_CACHE, auto_measures, decide, pick, time_candidates
 from .adapter import PerSampleFunction
 from .enums import LayerRule, Tune
@@ -253,8 +254,9 @@ class LayerwiseRun:
         self._weight = 1.0
         self._objective = 0
         self._error: BaseException | None = None
-        # follows which sample each row belongs to (set by batched_run)
+        # follows which sample each row belongs to (set by batched_run); every layer call
         self.tracker: RowTracker | None = None
+        self.calls: list[_Call] = []
         # reusable flat buffers for the per-layer temporaries (no-graph runs only): the same
         # memory serves every layer and chunk instead of a fresh allocation each time
         self._work: dict[str, Tensor] = {}
@@ -290,6 +292,11 @@ class LayerwiseRun:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def watch_signature(self) -> list[tuple] | None:
+        """The run's torch calls, described (``None``: one could not be)."""
+        return self._watch.signature
+
     def watch_inputs(self, inputs: Sequence[Tensor]) -> None:
         """Call before the forward with the model's inputs (the backward's anchors)."""
         self._watch.inputs = {id(t) for t in inputs}
@@ -313,9 +320,11 @@ class LayerwiseRun:
         self._watch.inside += 1
 
     def _hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._watch.quiet += 1
         try:
             self._record(module, args, output)
         finally:
+            self._watch.quiet -= 1
             self._watch.inside -= 1  # after the record's own reads (the input's detach)
 
     def _record(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -329,8 +338,10 @@ class LayerwiseRun:
         if id(args[0]) in self._watch.inputs:
             self._entries.setdefault(id(args[0]), []).append(output)
         call = _Call(module, args[0] if self.create_graph else args[0].detach())
+        call.shape = tuple(output.shape)
         if self.tracker is not None:
-            call.owner, call.shape = self.tracker.owner(output), tuple(output.shape)
+            call.owner = self.tracker.owner(output)
+        self.calls.append(call)
         sites = self._by_module[id(module)]
         for s in sites:
             s.calls.append(call)
@@ -642,6 +653,10 @@ class _UseWatch(TorchFunctionMode):
     def __init__(self, watched: dict[int, str]) -> None:
         super().__init__()
         self.watched = watched
+        #: every torch call of the run, described (:func:`~multiscale_jac._row_replay.describe`;
+        #: ``None`` once one cannot be)
+        self.signature: list[tuple] | None = []
+        self.quiet = 0  # the run's own bookkeeping (its hooks), not the model's calls
         self.inside = 0
         self.misused: set[str] = set()
         self.inputs: set[int] = set()
@@ -651,6 +666,12 @@ class _UseWatch(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if self.signature is not None and not self.quiet:
+            call = describe(func, args, kwargs)
+            if call is None:
+                self.signature = None
+            else:
+                self.signature.append(call)
         if self.inside == 0 and (self.watched or self.inputs) and func not in _METADATA:
             for t in tree_leaves((args, kwargs)):
                 if not isinstance(t, Tensor):
@@ -686,22 +707,71 @@ def batched_run(
             (the model mixes samples in a batch).
     """
     lv = [t.detach().requires_grad_(t.is_floating_point()) for t in levels]
-    run = LayerwiseRun(plan, temp_bytes=temp_bytes, create_graph=create_graph, tune=tune)
-    run.watch_inputs(lv)
-    run.tracker = RowTracker(lv[0].shape[0])
-    run.tracker.mark_inputs(lv)
-    try:
-        with torch.enable_grad(), run, run.tracker:
-            out = fn.call_batch(lv)
-        if not isinstance(out, Tensor):
-            raise NotLayerwiseError(f"the model returned a {type(out).__name__}, not a tensor")
-        settle_rows(run, out)
-    except BaseException:
-        run.discard()
-        raise
+    options = {"temp_bytes": temp_bytes, "create_graph": create_graph, "tune": tune}
+    key = (
+        tuple((tuple(t.shape), t.dtype, t.device) for t in lv),
+        tuple(sorted(id(m) for s in plan.sites.values() for m in s.modules)),
+        create_graph,
+    )
+    kept = ROW_PLANS.get(fn.model, key)
+    out, run = _forward(fn, lv, plan, options, tracked=kept is None)
+    if kept is not None:  # the rows as a pure run with the same calls gave them
+        calls = [(id(c.module), c.shape) for c in run.calls]
+        if kept.matches(run.watch_signature, calls, out):
+            for call, groups in zip(run.calls, kept.groups):
+                call.groups = groups
+        else:  # something else ran: follow the rows again
+            run.discard()
+            ROW_PLANS.drop(fn.model, key)
+            out, run = _forward(fn, lv, plan, options, tracked=True)
+            kept = None
+    if kept is None:
+        try:
+            settle_rows(run, out)
+        except BaseException:
+            run.discard()
+            raise
+        signature = run.watch_signature
+        if run.tracker is not None and run.tracker.pure and signature is not None:
+            ROW_PLANS.put(
+                fn.model,
+                key,
+                RowPlan(
+                    tuple(signature),
+                    tuple((id(c.module), c.shape) for c in run.calls),
+                    tuple(c.groups for c in run.calls),
+                    tuple(out.shape),
+                ),
+            )
+    run.tracker = None  # the owners are no longer needed
     if check:
         check_separable(fn, levels, out, random=random)
     return lv, out, run
+
+
+def _forward(
+    fn: PerSampleFunction,
+    lv: list[Tensor],
+    plan: LayerwisePlan,
+    options: dict[str, Any],
+    *,
+    tracked: bool,
+) -> tuple[Tensor, LayerwiseRun]:
+    """The batched forward pass with the layer-wise hooks, the rows followed if ``tracked``."""
+    run = LayerwiseRun(plan, **options)
+    run.watch_inputs(lv)
+    if tracked:
+        run.tracker = RowTracker(lv[0].shape[0])
+        run.tracker.mark_inputs(lv)
+    try:
+        with torch.enable_grad(), run, run.tracker or contextlib.nullcontext():
+            out = fn.call_batch(lv)
+        if not isinstance(out, Tensor):
+            raise NotLayerwiseError(f"the model returned a {type(out).__name__}, not a tensor")
+    except BaseException:
+        run.discard()
+        raise
+    return out, run
 
 
 def settle_rows(run: LayerwiseRun, out: Tensor) -> None:

@@ -212,6 +212,9 @@ class RowTracker(TorchDispatchMode):
         self._writes: dict[int, int] = {}
         self._paused = 0
         self._tokens: dict[int, tuple[Tensor, Any]] = {}
+        #: every owner known and no rule read a tensor's values: the outcome is a function of
+        #: the ops and their shapes (:mod:`~multiscale_jac._row_replay` may take it over)
+        self.pure = True
 
     def mark_inputs(self, inputs: Sequence[Tensor]) -> None:
         """The model's inputs ``(n, ...)``: row ``i`` is sample ``i``."""
@@ -302,6 +305,8 @@ class RowTracker(TorchDispatchMode):
             return torch.full((), values.pop(), dtype=OWNER_DTYPE)
         if rule is None:
             return Unknown(f"{func} (no row rule; it reads several samples)")
+        if rule not in VALUE_FREE:
+            self.pure = False
         try:
             return rule(_Ctx(func, before.owners), _bind(func, args, kwargs), out)  # type: ignore[arg-type]
         except Unknown as why:
@@ -330,6 +335,8 @@ class RowTracker(TorchDispatchMode):
         return tuple(None if t is None else self._records[t][0] for t in outs)
 
     def _set(self, t: Tensor, o: Any, settled: bool = False) -> None:
+        if isinstance(o, Unknown):
+            self.pure = False
         if not settled and not isinstance(o, Unknown) and o is not None:
             o = compress(fit(o.to(OWNER_DTYPE), t))
         self._records[t] = (o, self._writes.get(_storage(t), 0) if self._writes else 0)
