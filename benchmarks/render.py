@@ -520,7 +520,9 @@ def rows_table(results: dict[str, Any], grid: str) -> str:
         f"commit {str(env.get('git_commit'))[:7]}, {env['date_utc'][:10]}"
     )
     if grid == "loop":
-        stamp += f"; N={r['N']}, ran {r['strategy']!r}, max relative error {r['max_relative_error']:.1e}"
+        stamp += (
+            f"; N={r['N']}, ran {r['strategy']!r}, max relative error {r['max_relative_error']:.1e}"
+        )
     return f"{r['table'].rstrip()}\n\n({stamp})\n"
 
 
