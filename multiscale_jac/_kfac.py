@@ -125,12 +125,12 @@ from ._checks import (
     prepare,
 )
 from ._likelihood import check_targets, draw_noise, labels_from_noise, nll_sum, output_dim
-from ._memory import chunk_in, kfac_kept, kfac_sample
+from ._memory import DEFAULT_TEMP_BYTES, chunk_in, fit_budget, kfac_kept, kfac_sample
 from ._planning import measure
 from ._stream import pair, split_targets, with_progress
 from .adapter import PerSampleFunction
-from .enums import Likelihood, MemoryBudgetError, Randomness, parse_enum
-from .layerwise import DEFAULT_TEMP_BYTES, NotLayerwiseError, _UseWatch, check_separable
+from .enums import Likelihood, Randomness, parse_enum
+from .layerwise import NotLayerwiseError, _UseWatch, check_separable
 from .levels import _LOOP_ONLY
 from .packing import PackedBatch
 from .rows import RowTracker, groups_of, output_rows
@@ -142,8 +142,6 @@ __all__ = ["KINDS", "KronFactors", "KronResult", "kron_factors"]
 KINDS = ("ggn", "mc", "empirical")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _LAYERS = (nn.Linear, *_CONVS)
-#: the smallest per-call temporaries (patches) a run works with
-_MIN_TEMP_BYTES = 2**16
 
 
 @dataclass(frozen=True)
@@ -695,15 +693,14 @@ class _KronRun:
         kept = kfac_kept(sum(la.a.numel() + la.g.numel() for la in self.layers), itemsize)
         fp = measure(fn, fn.values(), tuple(packed.sample(packed.largest_sample)))
         one = kfac_sample(fp.activations)
-        if kept + one + _MIN_TEMP_BYTES > opts.memory_budget:
-            raise MemoryBudgetError(
-                opts.memory_budget,
-                kept + one + _MIN_TEMP_BYTES,
-                f"the factors take {kept} bytes and one sample's forward and backward about {one}",
-            )
-        available = opts.memory_budget - kept
-        temp = max(_MIN_TEMP_BYTES, min(DEFAULT_TEMP_BYTES, available // 4))
-        return opts.chunk or max(1, (available - temp) // max(1, one)), temp
+        fit = fit_budget(
+            opts.memory_budget,
+            kept,
+            one,
+            f"the factors take {kept} bytes and one sample's forward and backward about {one}",
+            temp=True,
+        )
+        return opts.chunk or fit.units, fit.temp
 
     def _chunk(
         self,

@@ -1,7 +1,8 @@
 """One memory model: every route's working set as a function of the job, in bytes. Planning
 (samples per call, rows or tangents per step), the minimum a :class:`MemoryBudgetError` states
-and every entry point's budget read these functions; nothing else computes a working set (a
-test checks it).
+and every entry point's budget read these functions; nothing else computes a working set, holds
+a byte constant or raises :class:`MemoryBudgetError` (:func:`fit_budget` does, for every entry
+point; ``tests/test_architecture.py`` checks all three).
 
 The inputs are what planning measured on one forward pass of one sample
 (:class:`~multiscale_jac._planning.Footprint`): ``A``, the bytes autograd saves for the backward
@@ -12,12 +13,27 @@ users in ``docs/design.md`` ("Memory").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from .enums import MemoryBudgetError
+
 __all__ = [
+    # byte constants (every one the package has)
+    "CACHE_BYTES",
     "CPU_TENSOR_BYTES",
+    "DEFAULT_JACOBIAN_BYTES",
+    "DEFAULT_TEMP_BYTES",
+    "DEFAULT_WORKSET_BYTES",
+    "JACNORM_LAYERWISE_BYTES",
+    "JACNORM_VMAP_BYTES",
+    "MIN_TEMP_BYTES",
+    # the budget
+    "Fit",
+    "fit_budget",
+    # working sets
     "chunk_in",
     "cpu_chunk_cap",
     "engine_call",
@@ -56,6 +72,61 @@ class _Footprint(Protocol):
 #: chunks of 32 samples (47 MB of per-sample gradient for that weight) took 0.44-0.96 s from
 #: call to call, in chunks of 16 a steady 0.42 s (2 cores, torch 2.13).
 CPU_TENSOR_BYTES = 32 * 2**20
+#: Working-set target per vectorised call when neither ``chunk_size`` nor ``memory_budget`` is
+#: given: small on CPU (cache-friendly; measured fastest on the ConvBlock subset workload),
+#: larger on GPUs.
+DEFAULT_WORKSET_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
+#: bytes of per-layer temporaries (unfolded columns, per-sample gradients) per chunk of samples
+DEFAULT_TEMP_BYTES = 8 * 2**20
+#: the smallest per-layer (or per-call: K-FAC's patches) temporaries a batched run works with
+MIN_TEMP_BYTES = 2**16
+#: per-sample gradients formed per chunk at most (squared while still in cache)
+CACHE_BYTES = 4 * 2**20
+#: the Laplace fits' default bytes for the Jacobian rows held at once (per chunk of samples or
+#: output positions); the prior search's default budget is four times it
+DEFAULT_JACOBIAN_BYTES = 32 * 2**20
+#: ``jacobian_sq_norm``: per-sample gradients a layer-wise chunk keeps in its graph, at most
+#: (its default chunk size)
+JACNORM_LAYERWISE_BYTES = 16 * 2**20
+#: ``jacobian_sq_norm``: per-sample gradients a ``vmap`` / ``hvp`` chunk keeps, at most (its
+#: default chunk size)
+JACNORM_VMAP_BYTES = 256 * 2**20
+
+
+# ---------------------------------------------------------------------- the budget
+@dataclass(frozen=True)
+class Fit:
+    """What a ``memory_budget`` leaves a call (:func:`fit_budget`).
+
+    Attributes:
+        units: How many units (samples, rows) of the stated working set fit in :attr:`left`
+            (at least one).
+        left: Bytes left after what the call keeps throughout and its temporaries.
+        temp: Bytes of per-layer temporaries (0 unless asked for).
+    """
+
+    units: int
+    left: int
+    temp: int
+
+
+def fit_budget(budget: int, kept: int, one: int, detail: str, *, temp: bool = False) -> Fit:
+    """The one budget rule: ``kept`` bytes (what the call holds throughout: results, sums,
+    factors) and one unit's working set ``one`` (a sample's pass, a row) must fit ``budget``;
+    with ``temp``, also the smallest per-layer temporaries (:data:`MIN_TEMP_BYTES`), which then
+    take a quarter of what ``kept`` leaves (between that and :data:`DEFAULT_TEMP_BYTES`).
+
+    Raises:
+        MemoryBudgetError: ``kept + one`` (and the temporaries) exceed ``budget``; ``detail``
+            says what takes the bytes.
+    """
+    least = kept + one + (MIN_TEMP_BYTES if temp else 0)
+    if least > budget:
+        raise MemoryBudgetError(budget, least, detail)
+    available = budget - kept
+    share = max(MIN_TEMP_BYTES, min(DEFAULT_TEMP_BYTES, available // 4)) if temp else 0
+    left = available - share
+    return Fit(max(1, left // max(1, one)), left, share)
 
 
 def mib(nbytes: int) -> str:

@@ -21,12 +21,14 @@ import torch
 from torch import Tensor
 
 from ._memory import (
+    DEFAULT_WORKSET_BYTES,
     engine_call,
     engine_result,
     engine_rev_step,
     engine_sample,
     engine_survey,
     engine_tangent,
+    fit_budget,
     tensor_bytes,
 )
 from ._ops import AT
@@ -81,12 +83,6 @@ class EngineOptions:
     randomness: Randomness = Randomness.ERROR
     strict: bool = False
     tune: Tune = Tune.AUTO
-
-
-#: Working-set target per vectorised call when neither ``chunk_size`` nor ``memory_budget`` is
-#: given: small on CPU (cache-friendly; measured fastest on the ConvBlock
-#: subset workload), larger on GPUs.
-DEFAULT_WORKSET_BYTES = {"cpu": 64 * 2**20, "cuda": 2 * 2**30}
 
 
 def default_workset(device: torch.device) -> int:
@@ -701,18 +697,15 @@ def _available(
     if budget is None:
         return None
     result_bytes, need = _least(fn, measured, sizes, mode, steps, chunk_size)
-    if result_bytes + need > budget:
-        values = fn.values()
-        n, numel = len(sizes), fn.subset.numel
-        unit = "output row" if mode is Mode.REV else "tangent"
-        per_call = f"{chunk_size} samples" if chunk_size not in (None, 1) else "one sample"
-        raise MemoryBudgetError(
-            budget,
-            result_bytes + need,
-            f"the result {(n, max(sizes), numel)} ({values[0].dtype}) and its outputs take "
-            f"{result_bytes} bytes and {per_call} with one {unit} at a time needs {need}",
-        )
-    return budget - result_bytes
+    values = fn.values()
+    n, numel = len(sizes), fn.subset.numel
+    unit = "output row" if mode is Mode.REV else "tangent"
+    per_call = f"{chunk_size} samples" if chunk_size not in (None, 1) else "one sample"
+    detail = (
+        f"the result {(n, max(sizes), numel)} ({values[0].dtype}) and its outputs take "
+        f"{result_bytes} bytes and {per_call} with one {unit} at a time needs {need}"
+    )
+    return fit_budget(budget, result_bytes, need, detail).left
 
 
 def _least(

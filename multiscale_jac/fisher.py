@@ -56,7 +56,14 @@ from ._likelihood import (
     nll_sum,
     output_dim,
 )
-from ._memory import cpu_chunk_cap, fisher_chunks, fisher_kept, fisher_sample
+from ._memory import (
+    DEFAULT_TEMP_BYTES,
+    cpu_chunk_cap,
+    fisher_chunks,
+    fisher_kept,
+    fisher_sample,
+    fit_budget,
+)
 from ._planning import EngineOptions, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
 from ._tuning import (
@@ -80,14 +87,12 @@ from .enums import (
     InputKind,
     LayerRule,
     Likelihood,
-    MemoryBudgetError,
     Randomness,
     Tune,
     parse_enum,
     parse_tune,
 )
 from .layerwise import (
-    DEFAULT_TEMP_BYTES,
     LayerwisePlan,
     LayerwiseRun,
     NotLayerwiseError,
@@ -111,8 +116,6 @@ MIN_TUNE_SAMPLES = 16
 #: ``method="auto"``: the larger layer-wise chunk it times (and runs, when chosen), the one
 #: growth rule (:data:`~multiscale_jac._tuning.GROWTH`) over the planned chunk: 128 samples
 _LAYERWISE_CHUNK = GROWTH * _VMAP_CHUNK
-#: the smallest per-layer temporaries a layer-wise run works with
-_MIN_TEMP_BYTES = 2**16
 
 
 @dataclass(frozen=True)
@@ -561,18 +564,17 @@ class _FisherRun(_FisherTuning):
         numel = self.subset.numel
         kept = fisher_kept(numel, itemsize)
         fp = measure(fn, values, tuple(packed.sample(packed.largest_sample)))
-        one = fisher_sample(fp.activations, numel, itemsize, _MIN_TEMP_BYTES)
-        if kept + one > opts.memory_budget:
-            raise MemoryBudgetError(
-                opts.memory_budget,
-                kept + one,
-                f"the sums over P={self.subset.numel} entries take {kept} bytes and one sample's "
-                f"forward and backward about {one}",
-            )
-        available = opts.memory_budget - kept
-        self.temp_bytes = max(_MIN_TEMP_BYTES, min(DEFAULT_TEMP_BYTES, available // 4))
-        spare = available - self.temp_bytes
-        layerwise, vmapped = fisher_chunks(spare, fp.activations, numel, itemsize)
+        one = fisher_sample(fp.activations, numel, itemsize, 0)
+        fit = fit_budget(
+            opts.memory_budget,
+            kept,
+            one,
+            f"the sums over P={self.subset.numel} entries take {kept} bytes and one sample's "
+            f"forward and backward about {one} with its temporaries",
+            temp=True,
+        )
+        self.temp_bytes = fit.temp
+        layerwise, vmapped = fisher_chunks(fit.left, fp.activations, numel, itemsize)
         return opts.chunk or layerwise, opts.chunk or vmapped
 
     def _terms(

@@ -38,7 +38,15 @@ from ._checks import (
     warn_fallback,
 )
 from ._distributed import Reducer
-from ._memory import cpu_chunk_cap, jacnorm_kept, jacnorm_sample, tensor_bytes
+from ._memory import (
+    JACNORM_LAYERWISE_BYTES,
+    JACNORM_VMAP_BYTES,
+    cpu_chunk_cap,
+    fit_budget,
+    jacnorm_kept,
+    jacnorm_sample,
+    tensor_bytes,
+)
 from ._ops import twice_differentiable
 from ._planning import (
     EngineOptions,
@@ -79,16 +87,12 @@ __all__ = ["jacobian_sq_norm", "jacobian_sq_norm_backward"]
 
 register_types(JacNormMethod)  # in the decisions a file keeps (multiscale_jac.tuning)
 
-#: per-sample gradients a layer-wise chunk keeps in its graph, at most (default chunk size)
-_LAYERWISE_BYTES = 16 * 2**20
 #: samples per vectorised call of the ``hvp`` route by default
 _HVP_CHUNK = 16
 #: samples per vectorised call of the ``vmap`` route by default (32 against 16, at the run's
 #: default: 0.88x the time on an 8-conv CNN, 0.91x on a GELU CNN, 0.73x on a GroupNorm /
 #: depthwise CNN, 0.77x on a small transformer; 2 CPU cores, torch 2.13)
 _VMAP_CHUNK = 32
-#: per-sample gradients a ``vmap`` / ``hvp`` chunk keeps, at most (its default chunk size)
-_VMAP_BYTES = 256 * 2**20
 #: ``auto`` also times the ``vmap`` route at half its chunk when the chunk is at least this
 _HALF_CHUNK_FROM = 8
 
@@ -490,7 +494,7 @@ class _Job:
         chunk_size, budget, dtype = self._sizing
         if chunk_size is not None or budget is not None:
             return chunk
-        most = min(GROWTH * chunk, left, _VMAP_BYTES // max(1, self._row_grads_bytes(dtype)))
+        most = min(GROWTH * chunk, left, JACNORM_VMAP_BYTES // max(1, self._row_grads_bytes(dtype)))
         most = min(most, self._cpu_cap(JacNormMethod.VMAP, dtype) or most)
         return chunk if most <= chunk else max(chunk, even_chunk(most, largest))
 
@@ -524,11 +528,11 @@ class _Job:
         numel = sum(p.numel() for p in self.trainable.values())
         rows = max(self.outputs.values())
         if method is JacNormMethod.LAYERWISE:
-            default = max(1, _LAYERWISE_BYTES // (4 * max(1, self.subset.numel)))
-        else:  # per-sample gradients of every row under _VMAP_BYTES, at most the default
+            default = max(1, JACNORM_LAYERWISE_BYTES // (4 * max(1, self.subset.numel)))
+        else:  # per-sample gradients of every row under JACNORM_VMAP_BYTES, at most the default
             per_sample = self._row_grads_bytes(dtype)
             most = _VMAP_CHUNK if method is JacNormMethod.VMAP else _HVP_CHUNK
-            default = min(most, max(1, _VMAP_BYTES // max(1, per_sample)))
+            default = min(most, max(1, JACNORM_VMAP_BYTES // max(1, per_sample)))
             default = min(default, self._cpu_cap(method, dtype) or default)
         if budget is None:
             return chunk_size or default
@@ -537,14 +541,14 @@ class _Job:
         activations = measure(self.fn, self.fn.values(), levels).activations
         layerwise = method is JacNormMethod.LAYERWISE
         one = jacnorm_sample(layerwise, activations, self.subset.numel, numel, rows, itemsize)
-        if kept + one > budget:
-            raise MemoryBudgetError(
-                budget,
-                kept + one,
-                f"the gradient of {numel} parameters takes {kept} bytes and one sample's "
-                f"{method.value} pass about {one}",
-            )
-        return chunk_size or max(1, (budget - kept) // one)
+        fit = fit_budget(
+            budget,
+            kept,
+            one,
+            f"the gradient of {numel} parameters takes {kept} bytes and one sample's "
+            f"{method.value} pass about {one}",
+        )
+        return chunk_size or fit.units
 
     def _probes(
         self, k: int, generator: torch.Generator | None, dtype: torch.dtype

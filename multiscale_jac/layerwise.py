@@ -54,7 +54,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ._memory import chunk_in, tensor_bytes
+from ._memory import CACHE_BYTES, DEFAULT_TEMP_BYTES, chunk_in, tensor_bytes
 from ._ops import named, numeric_padding
 from ._row_replay import ROW_PLANS, RowPlan, describe
 from ._tuning import KERNEL_CACHE, auto_measures, decide, pick, time_candidates
@@ -65,7 +65,6 @@ from .subset import ParamSubset
 
 __all__ = [
     "COST_PER_ENTRY",
-    "DEFAULT_TEMP_BYTES",
     "LayerwisePlan",
     "LayerwiseRun",
     "NotLayerwiseError",
@@ -78,10 +77,6 @@ __all__ = [
 
 #: flop-equivalents per per-sample gradient entry formed, squared and summed (memory bound)
 COST_PER_ENTRY = 12.0
-#: bytes of per-layer temporaries (unfolded columns, per-sample gradients) per chunk of samples
-DEFAULT_TEMP_BYTES = 8 * 2**20
-#: per-sample gradients formed per chunk at most (squared while still in cache)
-CACHE_BYTES = 4 * 2**20
 #: a convolution's per-sample gradients (flops of forming them) below which its two kernels
 #: are not timed against each other (about a millisecond on one CPU core)
 PROBE_MIN_FLOPS = 5e7

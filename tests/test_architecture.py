@@ -262,3 +262,43 @@ def test_only_the_memory_model_computes_a_working_set() -> None:
         if module != "_memory" and (found := _byte_arithmetic(tree))
     }
     assert offenders == {}
+
+
+def _budget_errors_and_byte_constants(tree: ast.AST) -> list[tuple[int, str]]:
+    """A ``MemoryBudgetError(...)`` raised, and a byte constant: a module-level name ending in
+    ``BYTES``, or a power of two of 2**10 or more (``2**20``, ``1 << 20``) anywhere but in a
+    formatted message."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "MemoryBudgetError":
+            found.append((node.lineno, ast.unparse(node)[:60]))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Pow, ast.LShift)):
+            left, right = node.left, node.right
+            if isinstance(left, ast.Constant) and isinstance(right, ast.Constant):
+                big = (left.value == 2 and right.value >= 10) or (left.value == 1 and right.value >= 10)
+                if big:
+                    found.append((node.lineno, ast.unparse(node)))
+    for node in getattr(tree, "body", []):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, ast.AnnAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Name) and t.id.endswith("BYTES"):
+                found.append((node.lineno, t.id))
+    return found
+
+
+def test_only_the_memory_model_holds_the_budget_rule_and_byte_constants() -> None:
+    """``_memory`` owns the budget: it alone raises ``MemoryBudgetError`` (``fit_budget``) and
+    holds byte constants; other modules import them. (``enums`` defines the error; its message
+    states the minimum in MiB.)"""
+    offenders = {
+        module: found
+        for module, tree in _modules().items()
+        if module not in ("_memory", "enums") and (found := _budget_errors_and_byte_constants(tree))
+    }
+    assert offenders == {}
+
+
+def test_the_budget_check_can_fail() -> None:
+    tree = ast.parse("X_BYTES = 8 * 2**20\ndef f():\n    raise MemoryBudgetError(1, 2, 'x')\n")
+    assert [line for line, _ in _budget_errors_and_byte_constants(tree)] == [3, 1, 1]

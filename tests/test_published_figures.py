@@ -98,7 +98,7 @@ _GPU = (
 )
 _WORKSET = (
     "the default working-set target",
-    _setting("_planning", "DEFAULT_WORKSET_BYTES", {"cpu": 64 * MIB, "cuda": 2 * GIB}),
+    _setting("_memory", "DEFAULT_WORKSET_BYTES", {"cpu": 64 * MIB, "cuda": 2 * GIB}),
 )
 _TENSOR_CAP = (
     "the CPU cap on one tensor's per-sample gradients in a chunk",
@@ -106,7 +106,7 @@ _TENSOR_CAP = (
 )
 _ROWS = (
     "the Laplace fits' default Jacobian rows held at once",
-    _setting("laplace._curvature", "DEFAULT_JACOBIAN_BYTES", 32 * MIB),
+    _setting("_memory", "DEFAULT_JACOBIAN_BYTES", 32 * MIB),
 )
 _GROWTH = ("the growth rule's cap on what is timed", _setting("_tuning", "GROWTH", 4))
 _PAYS = ("the rule pays: measuring's share of the job", _setting("_tuning", "PAYS", 0.25))
@@ -126,7 +126,7 @@ NOT_MEASURED: dict[str, dict[str, tuple[str, Callable[[], bool] | None]]] = {
         "per-sample gradients of one tensor would pass 32 MiB": _TENSOR_CAP,
         "the per-layer temporaries, 8 MiB by default": (
             "the layer-wise rules' default temporaries",
-            _setting("layerwise", "DEFAULT_TEMP_BYTES", 8 * MIB),
+            _setting("_memory", "DEFAULT_TEMP_BYTES", 8 * MIB),
         ),
     },
     "docs/design.md": {
@@ -186,7 +186,7 @@ NOT_MEASURED: dict[str, dict[str, tuple[str, Callable[[], bool] | None]]] = {
     "docs/laplace.md": {
         "`memory_budget` (128 MiB by default)": (
             "the prior search's default budget, four times the default rows",
-            _setting("laplace._curvature", "DEFAULT_JACOBIAN_BYTES", 32 * MIB),
+            _setting("_memory", "DEFAULT_JACOBIAN_BYTES", 32 * MIB),
         ),
         "32 MiB of Jacobian rows are held at a time": _ROWS,
         "working set (64 MiB on CPU)": _WORKSET,

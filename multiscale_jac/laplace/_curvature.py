@@ -26,6 +26,8 @@ from .._checks import check_bool, check_generator, warn_fallback
 from .._distributed import Reducer
 from .._likelihood import check_target, ggn_factors, nll_sum, output_gradient
 from .._memory import (
+    DEFAULT_JACOBIAN_BYTES,
+    fit_budget,
     laplace_column_chunk,
     laplace_engine_growth,
     laplace_reverse_rows,
@@ -37,7 +39,7 @@ from .._planning import EngineOptions, engine_minimum
 from .._stream import Capture, pair, raw_output, split_targets, with_progress
 from ..adapter import PerSampleFunction
 from ..engine import run_engine
-from ..enums import HessianKind, Likelihood, MemoryBudgetError, Strategy
+from ..enums import HessianKind, Likelihood, Strategy
 from ..fisher import diag_fisher
 from ..packing import PackedBatch
 from ._base import LaplaceBase, fitting
@@ -46,7 +48,6 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = [
-    "DEFAULT_JACOBIAN_BYTES",
     "Block",
     "BlockMemo",
     "DiagCurvature",
@@ -55,9 +56,6 @@ __all__ = [
     "Sampling",
     "SubsetCurvature",
 ]
-
-#: default bytes for the Jacobian rows held at once (per chunk of samples or output positions)
-DEFAULT_JACOBIAN_BYTES = 32 * 2**20
 
 
 class Block(NamedTuple):
@@ -196,18 +194,17 @@ class JacobianStream(LaplaceBase):
         strategy = Strategy.VMAP if options.strategy is Strategy.AUTO else options.strategy
         engine = engine_minimum(fn, one, strategy, options)
         ours = laplace_row(p, s)
-        if kept + least * ours + engine > self.memory_budget:
-            raise MemoryBudgetError(
-                self.memory_budget,
-                kept + least * ours + engine,
-                f"the posterior over P={p} entries takes {kept} bytes, the "
-                f"Jacobian rows of one output position {least * ours} and the engine computing "
-                f"them {engine}",
-            )
+        left = fit_budget(
+            self.memory_budget,
+            kept,
+            least * ours + engine,
+            f"the posterior over P={p} entries takes {kept} bytes, the Jacobian rows of one "
+            f"output position {least * ours} and the engine computing them {engine}",
+        ).left
         grows = laplace_engine_growth(p, s)
         base = max(0, engine - least * grows)
-        rows = max(least, (self.memory_budget - kept - base) // (ours + grows))
-        return rows * ours, self.memory_budget - kept - rows * ours
+        rows = max(least, (left - base) // (ours + grows))
+        return rows * ours, left - rows * ours
 
     def _jacobians(self, packed: PackedBatch, fit: FitSpec | None = None) -> Iterator[Block]:
         """The Jacobian rows of every sample with the outputs of the same pass, in sample

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from .._checks import check_bool, check_positive_int, check_positive_number
+from .._memory import DEFAULT_JACOBIAN_BYTES
 from .._stream import pair, split_targets, with_progress
 from ..enums import Likelihood, LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
-from ._curvature import DEFAULT_JACOBIAN_BYTES, BlockMemo
+from ._curvature import BlockMemo
 from ._posterior import NotPositiveDefinite, Posterior
 
 __all__ = ["MarginalLikelihood"]
