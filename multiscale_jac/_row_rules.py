@@ -51,6 +51,7 @@ __all__ = [
     "fit",
     "reshape_owner",
     "rule_for",
+    "tensor_outputs",
 ]
 
 OWNER_DTYPE = torch.int32
@@ -202,7 +203,8 @@ def _name(func: Any) -> str:
     return str(func)
 
 
-def _outputs(out: Any) -> list[Tensor | None]:
+def tensor_outputs(out: Any) -> list[Tensor | None]:
+    """An op's outputs as a list (``None`` for an output that is not a tensor)."""
     if isinstance(out, Tensor):
         return [out]
     if isinstance(out, (tuple, list)):
@@ -746,7 +748,7 @@ def _attention(ctx: Any, b: dict[str, Any], out: Any) -> Any:
         parts.append(agree(ctx.own(mask), [-1], ctx.op))
     o = combine(parts, ctx.op)
     found = []
-    for t in _outputs(out):
+    for t in tensor_outputs(out):
         if t is None or t.dim() < q.dim() - 1 or o is None:
             found.append(None)
         elif t.dim() == q.dim():

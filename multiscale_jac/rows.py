@@ -40,7 +40,17 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ._row_rules import OWNER_DTYPE, VALUE_FREE, Mixed, Unknown, agree, compress, fit, rule_for
+from ._row_rules import (
+    OWNER_DTYPE,
+    VALUE_FREE,
+    Mixed,
+    Unknown,
+    agree,
+    compress,
+    fit,
+    rule_for,
+    tensor_outputs,
+)
 
 __all__ = ["RowGroups", "RowTracker", "Unknown", "clear_row_cache", "groups_of", "output_rows"]
 
@@ -91,14 +101,6 @@ def _tensor_args(args: tuple, kwargs: dict) -> list[Tensor]:
         elif isinstance(v, (list, tuple)):
             found.extend(t for t in v if isinstance(t, Tensor))
     return found
-
-
-def _outputs(out: Any) -> list[Tensor | None]:
-    if isinstance(out, Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t if isinstance(t, Tensor) else None for t in out]
-    return []
 
 
 def _storage(t: Tensor) -> int:
@@ -154,7 +156,7 @@ def _memo_key(
     tokens = {k: _token(o, seen) for k, o in before.owners.items()}
     if None in tokens.values():
         return None
-    outs = _outputs(out)
+    outs = tensor_outputs(out)
     if any(not any(w is t for t in outs) for w in before.written):
         return None
     try:
@@ -316,7 +318,7 @@ class RowTracker(TorchDispatchMode):
         """Record the owners of ``out`` (``result``: one owner or Unknown for every output, or
         one per output; ``settled``: one per output as recorded before) and of the tensors
         written in place, their bases included; the owners recorded for the outputs."""
-        outs = _outputs(out)
+        outs = tensor_outputs(out)
         per = list(result) if isinstance(result, (list, tuple)) else [result] * len(outs)
         for w in before.written:
             key = _storage(w)
