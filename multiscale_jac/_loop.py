@@ -38,8 +38,7 @@ def sample_loop(
     rows_of = jacrev(with_output, argnums=0, has_aux=True)
     n = packed.num_samples
     # the subset's columns already tensor by tensor: each tensor's rows go straight into place
-    probe = values[0].new_empty((0, subset.numel))
-    grouped_order = subset.to_flat_order(probe) is probe
+    grouped_order = subset.columns is None
     jac = values[0].new_empty((n, 0, subset.numel))
     outputs = values[0].new_empty((n, 0))
     sizes: list[int] = []

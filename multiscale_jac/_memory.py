@@ -235,9 +235,10 @@ def fisher_kept(numel: int, itemsize: int) -> int:
     return 3 * numel * itemsize
 
 
-def fisher_sample(activations: int, numel: int, itemsize: int, temp: int) -> int:
-    """One sample's forward and backward with ``temp`` bytes of layer-wise temporaries."""
-    return 2 * activations + 2 * numel * itemsize + temp
+def fisher_sample(activations: int, numel: int, itemsize: int) -> int:
+    """One sample's forward and backward (the layer-wise temporaries apart:
+    :func:`fit_budget`)."""
+    return 2 * activations + 2 * numel * itemsize
 
 
 def fisher_chunks(available: int, activations: int, numel: int, itemsize: int) -> tuple[int, int]:

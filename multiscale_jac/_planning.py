@@ -697,12 +697,12 @@ def _available(
     if budget is None:
         return None
     result_bytes, need = _least(fn, measured, sizes, mode, steps, chunk_size)
-    values = fn.values()
+    dtype = fn.params[fn.subset.names[0]].dtype
     n, numel = len(sizes), fn.subset.numel
     unit = "output row" if mode is Mode.REV else "tangent"
     per_call = f"{chunk_size} samples" if chunk_size not in (None, 1) else "one sample"
     detail = (
-        f"the result {(n, max(sizes), numel)} ({values[0].dtype}) and its outputs take "
+        f"the result {(n, max(sizes), numel)} ({dtype}) and its outputs take "
         f"{result_bytes} bytes and {per_call} with one {unit} at a time needs {need}"
     )
     return fit_budget(budget, result_bytes, need, detail).left

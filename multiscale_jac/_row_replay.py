@@ -16,27 +16,23 @@ Python control flow on data (``.item()``, ``bool(t)``) or on anything else shows
 (another op, another argument); an argument that cannot be compared (an unhashable object)
 gives no signature (so does any argument but tensors, numbers, strings, dtypes, devices,
 slices and containers of them), and the run is followed again. What is kept (:data:`ROW_PLANS`): per model
-(held weakly), at most :data:`PER_MODEL` plans, each plain data (shapes, functions, sample
-indices); :func:`multiscale_jac.clear_plan_cache` empties it.
+(held weakly), at most 128 plans in all, each plain data (shapes, functions, sample indices);
+:func:`multiscale_jac.clear_plan_cache` empties it.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from ._tuning import DecisionCache
 from .rows import RowGroups
 
-__all__ = ["PER_MODEL", "ROW_PLANS", "RowPlan", "clear_row_plans", "describe"]
-
-#: plans kept per model (input shapes and hooked layers), least recently used first out
-PER_MODEL = 8
+__all__ = ["ROW_PLANS", "RowPlan", "describe"]
 
 
 class _Unhashable(Exception):
@@ -91,40 +87,8 @@ class RowPlan:
         )
 
 
-class _Plans:
-    """Model (weakly) -> key -> :class:`RowPlan`."""
-
-    def __init__(self) -> None:
-        self._by_model: weakref.WeakKeyDictionary[nn.Module, OrderedDict[tuple, RowPlan]] = (
-            weakref.WeakKeyDictionary()
-        )
-
-    def get(self, model: nn.Module, key: tuple) -> RowPlan | None:
-        plans = self._by_model.get(model)
-        plan = plans.get(key) if plans is not None else None
-        if plan is not None:
-            plans.move_to_end(key)
-        return plan
-
-    def put(self, model: nn.Module, key: tuple, plan: RowPlan) -> None:
-        plans = self._by_model.setdefault(model, OrderedDict())
-        plans[key] = plan
-        plans.move_to_end(key)
-        while len(plans) > PER_MODEL:
-            plans.popitem(last=False)
-
-    def drop(self, model: nn.Module, key: tuple) -> None:
-        plans = self._by_model.get(model)
-        if plans is not None:
-            plans.pop(key, None)
-
-    def clear(self) -> None:
-        self._by_model.clear()
-
-
-ROW_PLANS = _Plans()
-
-
-def clear_row_plans() -> None:
-    """Forget every kept row plan."""
-    ROW_PLANS.clear()
+#: the pure followed runs, per model (held weakly) and key (the inputs' shapes, the hooked
+#: layers, whether the graph is kept), least recently used first out; ``None`` marks a key
+#: whose run differed from its plan (followed from then on). Emptied by
+#: :func:`multiscale_jac.clear_plan_cache`, as every :class:`~multiscale_jac._tuning.DecisionCache`.
+ROW_PLANS = DecisionCache("rows", maxsize=128, portable=False)

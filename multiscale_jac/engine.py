@@ -137,7 +137,8 @@ def clear_plan_cache() -> None:
     of the kind torch keeps for cuDNN autotuning; nothing is stored on the model. Decisions
     read from a file (:func:`multiscale_jac.tuning.load`) go too, and so do the row rules'
     kept results (:mod:`multiscale_jac.rows`: which sample each row of a layer belongs to, by
-    op, shapes and owners; plain data, at most 8,192 entries).
+    op, shapes and owners; plain data, at most 8,192 entries) and the pure followed runs
+    whose rows a later run with the same calls takes over (:mod:`multiscale_jac._row_replay`).
     """
     clear_decisions()
     clear_row_cache()

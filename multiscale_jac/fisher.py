@@ -564,7 +564,7 @@ class _FisherRun(_FisherTuning):
         numel = self.subset.numel
         kept = fisher_kept(numel, itemsize)
         fp = measure(fn, values, tuple(packed.sample(packed.largest_sample)))
-        one = fisher_sample(fp.activations, numel, itemsize, 0)
+        one = fisher_sample(fp.activations, numel, itemsize)
         fit = fit_budget(
             opts.memory_budget,
             kept,

@@ -292,6 +292,10 @@ class LayerwiseRun:
         """The run's torch calls, described (``None``: one could not be)."""
         return self._watch.signature
 
+    def record_signature(self) -> None:
+        """Describe the run's torch calls from here on (:attr:`watch_signature`)."""
+        self._watch.signature = []
+
     def watch_inputs(self, inputs: Sequence[Tensor]) -> None:
         """Call before the forward with the model's inputs (the backward's anchors)."""
         self._watch.inputs = {id(t) for t in inputs}
@@ -649,8 +653,8 @@ class _UseWatch(TorchFunctionMode):
         super().__init__()
         self.watched = watched
         #: every torch call of the run, described (:func:`~multiscale_jac._row_replay.describe`;
-        #: ``None`` once one cannot be)
-        self.signature: list[tuple] | None = []
+        #: recorded once set to a list, by :func:`batched_run`; ``None`` again once one cannot be)
+        self.signature: list[tuple] | None = None
         self.quiet = 0  # the run's own bookkeeping (its hooks), not the model's calls
         self.inside = 0
         self.misused: set[str] = set()
@@ -715,9 +719,9 @@ def batched_run(
         if kept.matches(run.watch_signature, calls, out):
             for call, groups in zip(run.calls, kept.groups):
                 call.groups = groups
-        else:  # something else ran: follow the rows again
+        else:  # something else ran: follow the rows again, from now on
             run.discard()
-            ROW_PLANS.drop(fn.model, key)
+            ROW_PLANS.put(fn.model, key, None)
             out, run = _forward(fn, lv, plan, options, tracked=True)
             kept = None
     if kept is None:
@@ -755,6 +759,7 @@ def _forward(
     """The batched forward pass with the layer-wise hooks, the rows followed if ``tracked``."""
     run = LayerwiseRun(plan, **options)
     run.watch_inputs(lv)
+    run.record_signature()
     if tracked:
         run.tracker = RowTracker(lv[0].shape[0])
         run.tracker.mark_inputs(lv)

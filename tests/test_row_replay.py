@@ -14,6 +14,11 @@ from multiscale_jac._row_replay import ROW_PLANS
 DTYPE = torch.float64
 
 
+def _kept(model: nn.Module) -> list:
+    """The row plans kept for ``model``."""
+    return [v for (ident, _), (_, v) in ROW_PLANS._entries.items() if ident == id(model) and v]
+
+
 class _Pairs(nn.Module):
     """Pairs folded into the batch: sample-major or sample-minor (``minor``), rolled by
     ``shift`` rows, permuted by a permutation drawn from ``perm_seed``, or rolled by a row where the
@@ -78,7 +83,7 @@ def _check(model: nn.Module, data: list) -> None:
 def test_a_second_run_takes_the_rows_over() -> None:
     model = _model()
     _check(model, _data())
-    assert ROW_PLANS.get(model, next(iter(ROW_PLANS._by_model[model]))) is not None
+    assert _kept(model)
     _check(model, _data(1))  # other values, the same calls: taken over, and right
 
 
@@ -102,7 +107,7 @@ def test_index_values_are_read_on_every_run() -> None:
     for seed in (0, 1, 2):
         model.perm_seed = seed
         _check(model, _data())
-        assert not ROW_PLANS._by_model.get(model)
+        assert not _kept(model)
 
 
 def test_control_flow_on_data_is_followed_again() -> None:
@@ -113,4 +118,12 @@ def test_control_flow_on_data_is_followed_again() -> None:
         x = x.clone()
         x[0, 0, 0] = sign * x[0, 0, 0].abs()
         _check(model, [(x, y)])
-    assert ROW_PLANS._by_model.get(model)  # pure runs: kept, and followed again where they differ
+    assert _kept(model)  # pure runs: kept, and followed again where they differ
+
+
+def test_clear_plan_cache_forgets_the_kept_runs() -> None:
+    model = _model()
+    _check(model, _data())
+    assert _kept(model)
+    mj.clear_plan_cache()
+    assert not _kept(model)
