@@ -16,7 +16,7 @@ Layers (each its own module; data flows one way):
                 front door :func:`Laplace`
 7. reference -- :func:`reference.per_sample_jacobian_loop` (the oracle)
 
-:mod:`~multiscale_jac.tuning` saves and loads what ``tune="auto"`` measured.
+:mod:`~multiscale_jac.tuning` saves and loads what ``tune=True`` measured.
 """
 
 from . import reference, tuning

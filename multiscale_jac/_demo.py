@@ -3,9 +3,8 @@
 Every row is timed three ways: the engine's *first* call (planning and one-off set-up
 included), the engine *warm* (median of repeated calls after the second) and the loop reference
 *warm* (median of repeated calls after a one-sample warm-up call). The engine's second call is
-where ``tune="auto"`` measures its routes if the first did not (a repeated call; see
-``docs/design.md``): it is timed apart, and the warm calls time the route it chose (the first call's estimate may have picked
-another: the row shows the route of the warm calls). The warm calls run in interleaved rounds
+timed apart (it reuses the first call's plan: nothing is measured on it, ``docs/design.md``),
+and the row shows the route of the warm calls. The warm calls run in interleaved rounds
 (one engine call, then one loop call), so that a change in the machine's load falls on both
 alike; the speed-up is the median of the rounds' ratios (warm loop over warm engine), reported
 with their range. A first or second call's time is never used as a ratio.
@@ -58,8 +57,8 @@ class DemoRow:
         loop_calls: Number of warm loop-reference calls behind ``loop_s``.
         ratios: Warm loop over warm engine of each interleaved round (empty: not recorded;
             :attr:`speed_up` is then ``loop_s / engine_s``).
-        second_s: Seconds of the engine's second call, where ``tune="auto"`` measures the
-            routes if the first call did not (0: not recorded).
+        second_s: Seconds of the engine's second call, its plan the first call's (0: not
+            recorded).
     """
 
     subset: str
@@ -263,10 +262,7 @@ def format_footer(rows: list[DemoRow]) -> str:
     headline = "; ".join(f"{r.subset} ({r.mode}) {_headline(r)}" for r in rows)
     second = ", ".join(f"{r.subset} {r.second_s:.3f} s" for r in rows if r.second_s)
     if second:
-        second = (
-            "The engine's second call is not among the warm calls (tune='auto' measures the "
-            f"routes on a repeated call where the first did not): {second}.\n"
-        )
+        second = f"The engine's second call (the first call's plan, nothing measured): {second}.\n"
     return (
         "first s: the engine's first call on this subset and batch (planning included).\n"
         f"{second}"

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._calibration import NO_WORK, Work, count_work, machine
 from ._memory import (
     DEFAULT_WORKSET_BYTES,
     engine_call,
@@ -106,6 +107,8 @@ class Footprint:
     largest: int
     outputs: int
     depth: int = 0
+    #: the ops and flops of its forward pass (:func:`~multiscale_jac._calibration.count_work`)
+    work: Work = NO_WORK
 
 
 @dataclass(frozen=True)
@@ -142,9 +145,9 @@ def measure(
 
     leaves = tuple(v.detach().requires_grad_(True) for v in values)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
-        out = fn(leaves, *levels)
+        out, work = count_work(lambda: fn(leaves, *levels))
     return Footprint(
-        sum(seen.values()), max(seen.values(), default=0), int(out.numel()), graph_depth(out)
+        sum(seen.values()), max(seen.values(), default=0), int(out.numel()), graph_depth(out), work
     )
 
 
@@ -259,43 +262,40 @@ def call_bytes(group: Group, mode: Mode, step: Step, plan: Plan, itemsize: int, 
     return engine_call(sample, plan.samples)
 
 
-#: Cost-model constants per device type: seconds per vectorised forward pass (Python tracing of
-#: the model under vmap/jacrev: the same order for every small model), seconds per unit of work
-#: (activation byte of one sample's forward x output rows or tangents), and the extra factor
-#: masked execution costs (a where() and an index_select per op). CPU numbers were measured with
-#: TinyFPN on 2 cores (torch 2.13, float32); CUDA numbers are estimates until measured.
-_SHARED_CONSTANTS = {"masked": 1.3, "structured_factor": 3.0, "rev_structured_min_numel": 4096}
-COST_CONSTANTS = {
-    "cpu": {"call_s": 3e-3, "unit_s": 1.2e-9, "work_s": 2e-10, **_SHARED_CONSTANTS},
-    "cuda": {"call_s": 4e-3, "unit_s": 2e-12, "work_s": 2e-13, **_SHARED_CONSTANTS},
-}
-
-
-def _constants(device: torch.device) -> dict[str, float]:
-    """:data:`COST_CONSTANTS` of ``device``'s type (CUDA's for other accelerators)."""
-    return COST_CONSTANTS.get(device.type, COST_CONSTANTS["cuda"])
+#: Pricing constants every machine shares: a structured forward entry's work per unit against
+#: a generic one's (:func:`choose_mode`), and the least elements of a tensor whose reverse
+#: entries run structured under ``entries="auto"`` (:func:`rev_structured`)
+PRICING = {"structured_factor": 3.0, "rev_structured_min_numel": 4096}
 
 
 def estimate_seconds(
     groups: list[tuple[int, int, Footprint]], plan: VectorPlan, padded: bool
 ) -> float:
     """Expected time of running every group ``(samples, samples per call, footprint)`` as
-    ``plan`` does (its mode, P, device and forward passes per call),
+    ``plan`` does (its mode, P, device, dtype and forward passes per call), priced on this
+    machine (:func:`~multiscale_jac._calibration.machine`) from the work one sample's forward
+    pass dispatched (``W``, its ops; ``F``, its flops):
 
-    ``calls * passes * call_s * f + samples * activations * width * unit_s * f``
+    - ``rev``: ``calls * (call_s(W, fwd) + call_s(W, vjp)) + samples * F * (1 + 2 O) * flop_s``
+    - ``fwd``: ``calls * passes * call_s(W, jvp) + samples * F * (passes + P) * flop_s``
 
-    with ``width`` = O (rev) or P (fwd) and ``f`` = ``masked`` for the padded strategy, else 1.
-    Only the comparison between strategies matters (``auto``), not the absolute value.
-    """
-    c = _constants(plan.device)
-    factor = c["masked"] if padded else 1.0
-    passes = len(plan.spans) if plan.mode is Mode.FWD else 1
+    where ``call_s(W, pass)`` is a vectorised call's set-up and its ops' dispatch.
+
+    A padded group's work is its masked pass's (the masking ops counted), so ``padded``
+    needs no factor of its own."""
+    del padded  # (the padded function's measured work includes its masking)
+    m = machine(plan.device, plan.dtype)
     total = 0.0
     for samples, per_call, fp in groups:
-        calls = -(-samples // per_call)
-        width = fp.outputs if plan.mode is Mode.REV else plan.numel
-        total += calls * passes * c["call_s"] + samples * fp.activations * width * c["unit_s"]
-    return total * factor
+        calls, w = -(-samples // per_call), fp.work
+        if plan.mode is Mode.REV:
+            total += calls * (m.overhead(w, "fwd") + m.overhead(w, "vjp"))
+            total += m.flop_seconds(samples * w.flops * (1 + 2 * fp.outputs))
+        else:
+            passes = len(plan.spans)
+            total += calls * passes * m.overhead(w, "jvp")
+            total += m.flop_seconds(samples * w.flops * (passes + plan.numel))
+    return total
 
 
 # ---------------------------------------------------------------------- mode and entries
@@ -363,6 +363,9 @@ def choose_mode(
     entries: Entries,
     device: torch.device,
     tensor_numel: dict[str, int] | None = None,
+    work: Work = NO_WORK,
+    calls: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Mode, tuple[str, ...], dict[str, float]]:
     """Pick ``rev``/``fwd`` (when ``mode`` is ``auto``) and the tensors that run structured,
     by the cost model of ``docs/entries.md`` on the :func:`survey`'s per-tangent work.
@@ -371,23 +374,26 @@ def choose_mode(
     ``structured_factor``, is lower; in rev: :func:`rev_structured`; the caller keeps weight
     entries) and the estimates in seconds (keys ``fwd``, ``rev``).
     """
-    c = _constants(device)
-    slow = c["structured_factor"]
+    slow = PRICING["structured_factor"]
     use = {
         n: ec.structured is not None
         and entries is not Entries.GENERIC
         and (entries is Entries.STRUCTURED or slow * ec.structured < ec.generic)
         for n, ec in costs.items()
     }
-    fwd_work = sum(
+    # multiply-adds of the tangents (fwd) and of the rows' backward passes (rev), in flops
+    fwd_work = 2 * sum(
         numel[n] * ((slow * ec.structured if use[n] else ec.generic) + outputs)  # type: ignore[operator]
         for n, ec in costs.items()
     )
     dense = max((ec.generic for ec in costs.values()), default=0)
-    rev_work = outputs * (2 * dense + sum(numel.values()))
-    est = {
-        "fwd": samples * fwd_work * c["work_s"] + len(costs) * c["call_s"],
-        "rev": samples * rev_work * c["work_s"] + c["call_s"],
+    rev_work = 2 * outputs * (2 * dense + sum(numel.values()))
+    m, passes = machine(device, dtype), len(costs)
+    est = {  # every fwd pass (one a selected tensor) runs the primal forward pass again
+        "fwd": calls * passes * m.overhead(work, "jvp")
+        + m.flop_seconds(samples * (passes * work.flops + fwd_work)),
+        "rev": calls * (m.overhead(work, "fwd") + m.overhead(work, "vjp"))
+        + m.flop_seconds(samples * (work.flops + rev_work)),
     }
     if mode is Mode.AUTO:
         mode = Mode.FWD if est["fwd"] <= est["rev"] else Mode.REV
@@ -405,7 +411,8 @@ def rev_structured(
     The caller keeps weight entries (``structured.StructuredFunction``)."""
     if entries is Entries.GENERIC:
         return ()
-    big = _constants(device)["rev_structured_min_numel"]
+    del device  # (the rule is the same on every device)
+    big = PRICING["rev_structured_min_numel"]
     return tuple(n for n in names if entries is Entries.STRUCTURED or tensor_numel.get(n, 0) >= big)
 
 
@@ -442,6 +449,7 @@ class VectorPlan:
     #: the working set of its largest vectorised call (:func:`call_bytes`); ``0`` where not
     #: planned (a replayed decision)
     workset: int = 0
+    dtype: torch.dtype = torch.float32
 
 
 def plan_strategy(
@@ -478,7 +486,16 @@ def plan_strategy(
         for step, chunk in zip(steps, g.chunks)
     )
     return VectorPlan(
-        strategy, mode, groups, spans, tuple(sizes), fn.subset.numel, fn.device, structured, workset
+        strategy,
+        mode,
+        groups,
+        spans,
+        tuple(sizes),
+        fn.subset.numel,
+        fn.device,
+        structured,
+        workset,
+        like.dtype,
     )
 
 
@@ -550,7 +567,7 @@ def _bounded_footprints(rev_fn: Any, measured: list[Group], packed: PackedBatch)
 
 def _largest(a: Footprint, b: Footprint) -> Footprint:
     return Footprint(
-        max(a.activations, b.activations), max(a.largest, b.largest), a.outputs, a.depth
+        max(a.activations, b.activations), max(a.largest, b.largest), a.outputs, a.depth, a.work
     )
 
 
@@ -608,6 +625,9 @@ def _pick_mode(
         entries=entries if per_tensor else Entries.GENERIC,
         device=device,
         tensor_numel=tensor_numel,
+        work=measured[0].footprint.work,
+        calls=len(measured),
+        dtype=fn.values()[0].dtype,
     )
     if chosen is Mode.REV:
         structured = StructuredFunction(fn, structured).names
@@ -801,6 +821,7 @@ def _padded_lower_bound(bucketed: VectorPlan) -> float:
         activations=max(g.footprint.activations for g in bucketed.groups),
         largest=max(g.footprint.largest for g in bucketed.groups),
         outputs=max(g.footprint.outputs for g in bucketed.groups),
+        work=max((g.footprint.work for g in bucketed.groups), key=lambda w: w.flops),
     )
     n = len(bucketed.sizes)
     return estimate_seconds([(n, n, largest)], bucketed, padded=True)
@@ -879,7 +900,15 @@ def replay(fn: PerSampleFunction, packed: PackedBatch, d: Decision) -> VectorPla
         groups.append(dataclasses.replace(g, fn=fn_g, footprint=fp, table=table, chunks=chunks))
     structured = d.structured if d.mode is Mode.FWD else StructuredFunction(fn, d.structured).names
     return VectorPlan(
-        d.strategy, d.mode, groups, list(d.spans), d.sizes, fn.subset.numel, fn.device, structured
+        d.strategy,
+        d.mode,
+        groups,
+        list(d.spans),
+        d.sizes,
+        fn.subset.numel,
+        fn.device,
+        structured,
+        dtype=fn.values()[0].dtype,
     )
 
 
@@ -931,4 +960,4 @@ def _user_fn(output_fn: Any) -> Any:
     return getattr(output_fn, "user", None) or output_fn
 
 
-register_types(Decision, Footprint, Plan, Strategy, Mode)
+register_types(Decision, Footprint, Plan, Strategy, Mode, Work)

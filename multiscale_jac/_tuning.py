@@ -1,50 +1,38 @@
-"""Measuring, in one place: the library's only clock (:func:`stopwatch`), the one set of rules
-for timing candidates against each other (:data:`RETIME`, :data:`TIE`, the warm-up), the one
-loop that times them (:func:`time_candidates`) and the tie rule that picks (:func:`pick`), the
-process-wide decision caches (:class:`DecisionCache`: :data:`PLAN_CACHE`, :data:`KERNEL_CACHE`)
-and their file form (:func:`save`, :func:`load`, :data:`ENV_VAR`).
+"""Measuring, in one place, for ``tune=True`` (``"measure"``) only: the library's only clock
+(:func:`stopwatch`), the one set of rules for timing candidates against each other
+(:data:`RETIME`, :data:`TIE`, the warm-up), the one loop that times them
+(:func:`time_candidates`) and the tie rule that picks (:func:`pick`), the process-wide
+decision caches (:class:`DecisionCache`: :data:`PLAN_CACHE`, :data:`KERNEL_CACHE`) and their
+file form (:func:`save`, :func:`load`, :data:`ENV_VAR`).
 
-The engine, the diagonal Fisher, the Jacobian-norm regulariser and the layer-wise kernels supply
-candidates and a run callback only: what a candidate runs and how much work it did (samples, or
-the whole job's share where samples differ in shape) is theirs; when it is timed, how often and
-which one wins is decided here. ``docs/design.md`` ("How the library chooses") describes it for
-users.
+By default (``tune="auto"``) nothing is timed: routes follow the cost model, priced on this
+machine (:mod:`~multiscale_jac._calibration`), or a decision ``tune=True`` measured before for
+the same shapes. The engine, the diagonal Fisher, the Jacobian-norm regulariser and the
+layer-wise kernels supply candidates and a run callback only; when a candidate is timed, how
+often and which one wins is decided here. ``docs/design.md`` ("How the library chooses")
+describes it for users.
 
 The rules (one meaning everywhere):
 
 - **Warm-up**: a candidate's first call at a shape pays one-off costs (kernels picked, buffers
-  made: up to 2.7x its later time, once 4x on 2 CPU cores), so each candidate runs once untimed
-  (or, where a caller's warm-up must count towards the result, on its own samples) first.
+  made: up to 2.7x its later time), so each candidate runs once untimed first.
 - **Retime**: candidates timed within :data:`RETIME` of the fastest are timed once more, the
   faster of their two times counting (one timed call mis-ordered routes 8% apart).
 - **Tie**: candidates within :data:`TIE` of the fastest cannot be told apart by the timing; the
-  caller's preferred one among them wins (the larger chunk: fewer calls; the layer-wise
-  kernels' columns: no cliff).
-- **Pays**: ``tune="auto"`` measures on a call only where the estimated cost of measuring
-  (the candidates' extra time over the estimate's choice, their warm-ups included; timed
-  work that counts towards the result costs only its difference) is at most :data:`PAYS` of
-  the call's estimated work, or where the same decision (same key) was deferred in an earlier
-  public call (:func:`one_call`): a user who repeats a call has at least one more call of
-  work left, and the measured choice serves every later one (:func:`decide`). A one-shot
-  call runs the estimate's choice, however often its chunks or buckets meet that decision.
+  caller's preferred one among them wins (the estimate's choice, the larger chunk, the
+  layer-wise kernels' columns).
 - **Growth**: nothing timed holds more than :data:`GROWTH` times the working set of the
-  estimate's choice: larger calls or chunks are tried up to that many times the planned size;
-  under a ``memory_budget`` nothing is timed at all (the budget is a promise, a candidate's
-  working set an estimate).
+  estimate's choice.
 - **Release**: after each timed run, freed CPU memory goes back to the system (glibc's
-  ``malloc_trim``, where the C library has it): otherwise one candidate's freed heap stays
-  resident under the next's, and the peak of a call that timed two routes is their sum
-  rather than the larger.
-- **Switch**: :func:`auto_measures` says whether ``tune="auto"`` may measure at all; the tests'
-  fixture turns it off so that routes follow the cost model alone (``tune="measure"`` still
-  measures, ``tune=False`` never does).
+  ``malloc_trim``, where the C library has it), so that the peak of a call that timed two
+  routes is the larger of theirs rather than their sum.
 
 Decisions outlive the process through :func:`save` / :func:`load` (or the file named by the
 environment variable :data:`ENV_VAR`, loaded on first use and written at exit), keyed by
 everything a decision depends on made portable (:func:`portable_key`: module types by name,
 parameter and input shapes, dtypes, devices, the output function by its code) and by the
-machine (:func:`environment`: torch version, threads, device names); an entry whose key does
-not match is never used.
+library and the machine (:func:`environment`: library and torch versions, threads, device
+names); an entry whose key does not match is never used.
 """
 
 from __future__ import annotations
@@ -71,44 +59,27 @@ from typing import Any, TypeVar
 
 import torch
 
-from .enums import Tune
-
 __all__ = [
-    "BUDGET_NOTE",
     "COUNTS",
     "ENV_VAR",
     "GROWTH",
-    "MEASURE",
-    "PAYS",
     "KERNEL_CACHE",
     "PLAN_CACHE",
     "RETIME",
     "TIE",
     "DecisionCache",
-    "auto_measures",
-    "call_fit",
-    "call_scope",
     "clear",
-    "decide",
-    "defer",
-    "deferred_before",
-    "deferred_note",
     "environment",
-    "grown",
     "grows",
     "load",
-    "one_call",
     "pick",
     "portable_key",
     "register_types",
     "release",
     "save",
     "seconds",
-    "set_auto_measures",
     "stopwatch",
     "time_candidates",
-    "trial_samples",
-    "under_budget",
 ]
 
 K = TypeVar("K", bound=Hashable)
@@ -119,26 +90,11 @@ K = TypeVar("K", bound=Hashable)
 RETIME = 3.0
 #: candidates within this factor of the fastest are a tie: the caller's preferred one wins
 TIE = 1.05
-#: ``tune="auto"`` measures on a first call only where measuring is estimated to cost at most
-#: this fraction of the call's work (:func:`decide`)
-PAYS = 0.25
-#: a timed candidate holds at most this many times the working set of the estimate's choice
-#: (with no ``memory_budget``; under one nothing is timed): the engine's samples per call, the
-#: Jacobian-norm ``vmap`` chunk and the Fisher's layer-wise chunk are tried up to this many
+#: a timed candidate holds at most this many times the working set of the estimate's choice:
+#: the Jacobian-norm ``vmap`` chunk and the Fisher's layer-wise chunk are tried up to this many
 #: times their planned size (64 samples a chunk against 16 took 0.51x the time on a small
 #: transformer, 0.58x on a GroupNorm/depthwise CNN, 0.83x on an 8-conv CNN), not up to the batch
 GROWTH = 4
-#: a timed call holds at most this many times the smallest working set among the candidates'
-#: planned calls: a heavier route is timed on fewer samples a call (:func:`trial_samples`),
-#: and a call size is never timed above the size that runs (the engine fits larger calls
-#: instead, :func:`call_fit`), so that measuring holds about what the route that runs holds
-#: (the bench's bar: 1.2x its peak). Under 1 because the memory model over-counts routes
-#: unequally: a small transformer's structured reverse pass held 0.44-0.55 of its planned
-#: working set, its generic one 0.72-0.73 (1.2 x 0.44 / 0.73 = 0.72), and the same route's
-#: peak varies between processes (20.2-26.8 MiB for one Laplace fit). Timed at 8 samples a
-#: call, the generic route held 29.5 MiB where the structured route that ran held 10.9 MiB;
-#: at 0.8 a Laplace fit still peaked 1.34x its route forced, at 0.6 0.69x
-MEASURE = 0.6
 
 #: how often planning measured a forward pass, surveyed structured costs and timed a candidate
 #: (read by :func:`~multiscale_jac.plan_cache_info`)
@@ -146,39 +102,6 @@ COUNTS: collections.Counter[str] = collections.Counter()
 
 #: the environment variable naming a decision file: loaded on first use, written at exit
 ENV_VAR = "MULTISCALE_JAC_TUNING_CACHE"
-
-_AUTO_MEASURES = [True]
-
-
-def auto_measures() -> bool:
-    """Whether ``tune="auto"`` may time candidates (the switch; on unless turned off)."""
-    return _AUTO_MEASURES[0]
-
-
-#: the note of a call that timed nothing because of its ``memory_budget`` (:func:`under_budget`)
-BUDGET_NOTE = "tune: nothing timed under memory_budget (the estimate chose)"
-
-
-def under_budget(tune: Tune, memory_budget: int | None, notes: list[str]) -> bool:
-    """The rule **budget**: under a ``memory_budget``, ``tune="auto"`` times nothing and the
-    estimate chooses (``tune=True`` still times, within the budget). Where it applies, adds
-    :data:`BUDGET_NOTE` to ``notes`` and returns ``True``: the caller times nothing.
-
-    The budget is a promise, and a timed candidate's working set and one-time costs are
-    estimates: timing the engine's alternatives raised a call's peak RSS under a 120 MiB budget
-    to 114-131 MiB against 23 MiB for the chosen route alone; the Jacobian norm's under 20 MB
-    to 109 MiB, 60 MiB of it the fixed overhead of a one-sample call."""
-    if tune is not Tune.AUTO or memory_budget is None:
-        return False
-    notes.append(BUDGET_NOTE)
-    return True
-
-
-def set_auto_measures(on: bool) -> bool:
-    """Turn ``tune="auto"``'s measuring on or off (tests: off, routes by the cost model
-    alone); returns the previous setting."""
-    before, _AUTO_MEASURES[0] = _AUTO_MEASURES[0], bool(on)
-    return before
 
 
 # ---------------------------------------------------------------------- the clock
@@ -231,8 +154,6 @@ def time_candidates(
     warm_up: Callable[[K], float | None] | None = None,
     skip: Callable[[K, float, dict[K, float]], bool] | None = None,
     retime: float = RETIME,
-    units: float | None = None,
-    on_stop: Callable[[], None] | None = None,
 ) -> dict[K, float]:
     """Time ``candidates`` by the rules of this module: for each, its warm-up (``warm_up(k)``,
     timed; default: one untimed ``run(k)``), unless ``skip(k, warm-up seconds per unit, times
@@ -240,65 +161,30 @@ def time_candidates(
     the fastest once more, the faster time counting.
 
     Args:
-        candidates: The candidates, the caller's choice first (its warm-up may be the work
-            the caller would do anyway).
+        candidates: The candidates, the caller's choice first.
         run: Runs a candidate once and returns the units of work it did (samples), or
             ``None`` where it failed (not a candidate then).
         devices: Devices to synchronise before reading the clock.
         warm_up: A candidate's warm-up, returning units as ``run``; default ``run``.
         skip: Whether to leave a candidate out after its warm-up.
         retime: Candidates within this factor of the fastest are timed once more.
-        units: The job's units, where measuring was decided on an estimate of its work: the
-            rule **pays** then also holds as measured (the cost model misjudged a Laplace
-            fit's work 10-60x): once the seconds spent beyond the units done at the fastest
-            rate so far exceed :data:`PAYS` of the job at that rate, nothing more is timed
-            and ``on_stop()`` is called (the caller defers: :func:`defer`).
 
     Returns:
         Seconds per unit of each candidate timed (failed or skipped ones are absent).
     """
     devices = list(devices)
     times: dict[K, float] = {}
-    spent = [0.0, 0.0]  # seconds and units of every run so far
-
-    def counted(k: K, fn: Callable[[K], float | None]) -> float | None:
-        """``_time_one(k, fn)`` (one clock), its seconds and units added to ``spent``."""
-        done: list[float | None] = []
-
-        def call(c: K) -> float | None:
-            done.append(fn(c))
-            return done[-1]
-
-        per_unit = _time_one(k, call, devices)
-        release()
-        if per_unit is not None and done and done[-1] is not None:
-            spent[0] += per_unit * max(done[-1], 1e-12)
-            spent[1] += done[-1]
-        return per_unit
-
-    def paid() -> bool:  # measuring so far costs more than it can save
-        best = min(times.values(), default=None)
-        if units is None or best is None:
-            return False  # (runs past the job's units, samples run twice, are not work done)
-        if spent[0] - min(spent[1], units) * best <= PAYS * best * units:
-            return False
-        if on_stop is not None:
-            on_stop()
-        return True
-
     for k in candidates:
-        if paid():
-            return times
-        warm = counted(k, warm_up or run)
+        warm = _time_one(k, warm_up or run, devices)
+        release()
         if warm is None or (skip is not None and skip(k, warm, times)):
             continue
         COUNTS["probe"] += 1
-        t = counted(k, run)
+        t = _time_one(k, run, devices)
+        release()
         if t is not None:
             times[k] = t
     best = min(times.values(), default=0.0)
-    if paid():
-        return times
     for k in [k for k, t in times.items() if t <= retime * best]:
         COUNTS["probe"] += 1
         t = _time_one(k, run, devices)
@@ -331,38 +217,10 @@ def _time_one(k: K, fn: Callable[[K], float | None], devices: list[torch.device]
     return None if units is None else elapsed[0] / max(units, 1e-12)
 
 
-def trial_samples(samples: int, workset: int, least: int) -> int:
-    """Samples of a timed call of a candidate whose planned calls of ``samples`` hold
-    ``workset`` bytes: at most :data:`MEASURE` x ``least``, the smallest working set among the
-    candidates' planned calls (a call's working set grows with its samples), at least one and
-    at most ``samples`` (``0``: not planned, no rule)."""
-    if least <= 0 or workset <= 0:
-        return samples
-    return max(1, min(samples, int(MEASURE * least * samples // workset)))
-
-
-def call_fit(small: int, small_s: float, large: int, large_s: float) -> tuple[float, float]:
-    """A call's seconds as ``fixed + each * samples`` (a vectorised call's fixed cost, Python
-    tracing the model, and its work per sample) from the seconds per sample measured at two
-    call sizes ``small < large``: ``(fixed, each)``."""
-    t_small, t_large = small * small_s, large * large_s
-    each = (t_large - t_small) / (large - small)
-    return t_large - each * large, each
-
-
 def grows(workset: int, chosen: int) -> bool:
     """Whether a candidate holding ``workset`` bytes holds more than :data:`GROWTH` times
     ``chosen``, the estimate's choice's (then it is not timed; ``0``: not planned, no rule)."""
     return chosen > 0 and workset > GROWTH * chosen
-
-
-def grown(samples: int, workset: int, chosen: int) -> int:
-    """The most samples per call that a call of ``samples`` holding ``workset`` bytes may grow
-    to within :data:`GROWTH` times ``chosen`` (a call's working set grows with its samples;
-    at least ``samples``, at most :data:`GROWTH` times them)."""
-    if chosen <= 0 or workset <= 0:
-        return GROWTH * samples
-    return max(samples, min(GROWTH * samples, samples * GROWTH * chosen // workset))
 
 
 def pick(
@@ -459,83 +317,6 @@ PLAN_CACHE = DecisionCache("plans")
 #: measured kernel choices per layer and size class (the layer-wise rules' convolutions),
 #: apart so that a deep model's layers never push whole plans out
 KERNEL_CACHE = DecisionCache("kernels", maxsize=1024)
-#: calls that ran once without measuring because it did not pay (:func:`decide`); in this
-#: process only
-DEFERRED = DecisionCache("deferred", maxsize=1024, portable=False)
-
-
-#: the public call now running (:func:`one_call`): its number and how deeply it is nested
-_CALL = [0, 0]
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-@contextlib.contextmanager
-def call_scope() -> Iterator[None]:
-    """One public call, however many times it meets the same decision inside (a Laplace fit's
-    chunks, the buckets of a ragged batch): what it defers is measured in a later call."""
-    if _CALL[1] == 0:
-        _CALL[0] += 1
-    _CALL[1] += 1
-    try:
-        yield
-    finally:
-        _CALL[1] -= 1
-
-
-def one_call(fn: F) -> F:
-    """Marks a public entry point: it runs under :func:`call_scope`."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with call_scope():
-            return fn(*args, **kwargs)
-
-    return run  # type: ignore[return-value]
-
-
-def _this_call() -> object:
-    """The running public call's number (outside one: a fresh object, each decision its own
-    call)."""
-    return _CALL[0] if _CALL[1] else object()
-
-
-def decide(tune: Tune, owner: Any, key: Any, *, extra: float, work: float) -> str:
-    """Whether a call measures: ``"measure"``, ``"estimate"`` (the cost model alone) or
-    ``"defer"`` (``tune="auto"``: measuring would cost more than :data:`PAYS` of the call's
-    work; the call runs the estimate's choice, and the same decision (``owner``, ``key``) met
-    again in a later public call (:func:`one_call`) measures: met again within the same call,
-    a Laplace fit's next chunk, it still runs the estimate, as the call's work was counted
-    once). ``extra`` and ``work`` in any one unit (seconds or samples)."""
-    if tune is Tune.MEASURE:
-        return "measure"
-    if tune is Tune.ESTIMATE or not auto_measures():
-        return "estimate"
-    if extra <= PAYS * work:
-        return "measure"
-    if deferred_before(owner, key):
-        return "measure"
-    defer(owner, key)
-    return "defer"
-
-
-def deferred_before(owner: Any, key: Any) -> bool:
-    """Whether the decision (``owner``, ``key``) was deferred in an earlier public call."""
-    before = DEFERRED.get(owner, key)
-    return before is not None and before != _this_call()
-
-
-def defer(owner: Any, key: Any) -> None:
-    """Record the decision (``owner``, ``key``) as deferred in this call: a later public call
-    measures it (also where timing stopped because it did not pay as measured)."""
-    DEFERRED.put(owner, key, _this_call())
-
-
-def deferred_note(extra: float, work: float) -> str:
-    """The note of a call whose measuring was deferred (:func:`decide`)."""
-    return (
-        f"tune: measuring would cost about {extra / max(work, 1e-12):.0%} of this call's work "
-        f"(more than {PAYS:.0%}): ran the estimate; the same call again measures"
-    )
 
 
 def clear() -> None:
@@ -551,12 +332,14 @@ class _Unportable(Exception):
 
 
 def environment() -> tuple[Any, ...]:
-    """What a timed decision also depends on: the torch version, CPU threads, the machine
-    and the CUDA devices' names."""
+    """What a timed decision also depends on: the library and torch versions, CPU threads,
+    the machine and the CUDA devices' names."""
+    from . import __version__
+
     cuda = ()
     if torch.cuda.is_available():
         cuda = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-    return (torch.__version__, torch.get_num_threads(), platform.machine(), cuda)
+    return (__version__, torch.__version__, torch.get_num_threads(), platform.machine(), cuda)
 
 
 def _code(fn: types.FunctionType) -> str:

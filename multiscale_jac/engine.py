@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import jacrev, jvp, vmap
 
+from ._calibration import count_work, machine
 from ._checks import (
     check_bool,
     check_chunk_size,
@@ -35,18 +36,14 @@ from ._checks import (
 from ._loop import sample_loop
 from ._memory import mib
 from ._planning import (
-    COST_CONSTANTS,
     EngineOptions,
     VectorPlan,
     choose_strategy,
     decision,
     default_workset,
-    estimate_seconds,
-    even_chunk,
     first_line,
     loop_decision,
     plan_key,
-    plan_seconds,
     plan_strategy,
     replay,
     span_tensor,
@@ -54,23 +51,10 @@ from ._planning import (
 from ._tuning import (
     COUNTS,
     GROWTH,
-    PAYS,
     PLAN_CACHE,
-    TIE,
-    auto_measures,
-    call_fit,
-    decide,
-    defer,
-    deferred_before,
-    deferred_note,
-    grown,
     grows,
-    one_call,
     pick,
-    seconds,
     time_candidates,
-    trial_samples,
-    under_budget,
 )
 from ._tuning import clear as clear_decisions
 from .adapter import PerSampleFunction
@@ -132,7 +116,7 @@ def clear_plan_cache() -> None:
     tensors, chunks, measured sizes) for each model (held weakly: never kept alive by the
     cache) and call signature (the model's structure, the inputs' shapes, the subset, the
     options), at most ``maxsize`` of them, least recently used first out; a second call with
-    the same shapes pays no measuring pass, survey or probe. The layer-wise rules' measured
+    the same shapes pays no planning pass, survey or timing. The layer-wise rules' measured
     convolution kernels (per layer and size class, the layer held weakly) go too. It is state
     of the kind torch keeps for cuDNN autotuning; nothing is stored on the model. Decisions
     read from a file (:func:`multiscale_jac.tuning.load`) go too, and so do the row rules'
@@ -144,7 +128,6 @@ def clear_plan_cache() -> None:
     clear_row_cache()
 
 
-@one_call
 def per_sample_jacobian(
     model: nn.Module,
     inputs: Any,
@@ -189,11 +172,11 @@ def per_sample_jacobian(
         strict: Raise instead of falling back to another strategy.
         input_kind: How to read ``inputs`` where it is ambiguous (see
             :func:`~multiscale_jac.pack`).
-        tune: How ``auto`` choices are made (:class:`~multiscale_jac.Tune`): ``auto`` times
-            the routes the cost model estimates within its known error of each other on the
-            run's first samples (batches of 8 or more; where every sample has a shape of its
-            own, each route on samples of its own), ``measure`` always, ``estimate`` never;
-            the timings, and what the cost model missed where they contradict it, are on
+        tune: How ``auto`` choices are made (:class:`~multiscale_jac.Tune`): ``auto``
+            (default) prices the routes on this machine from the model's ops and flops, nothing
+            timed (or runs a choice ``tune=True`` measured before for these shapes);
+            ``measure`` (``True``) times every route on the run's first samples; ``estimate``
+            (``False``) the cost model alone. The estimates and timings are on
             ``result.notes``.
 
     Returns:
@@ -256,34 +239,16 @@ def run_engine(
         ) from err
 
 
-#: a job whose loop would take less (seconds) runs its cheapest plan (``tune="auto"``)
+#: a job whose loop is estimated to take less (seconds) runs its cheapest plan: no survey,
+#: no padded plan (planning would cost more than it saves; :meth:`_EngineRun.small_job`)
 SMALL_JOB_S = 0.1
-#: routes the cost model expects at most this many times slower than its best are timed
-SHORTLIST = 4.0
-#: ``tune="auto"`` times routes only on batches of this many samples
-MIN_PROBE_BATCH = 8
-#: each route is timed on one vectorised call of at least this many samples (where it has
-#: them): single samples misjudge the routes that vectorise over samples better
-MIN_PROBE_SAMPLES = 8
-#: a model is deep where this many differentiable ops lie on one path between a selected
-#: entry and the output (``Footprint.depth``): the bench_peers cells up to depth 56 (the
-#: transformer; ResNet-8 27, VGG11 30) needed a shortlist spanning at most 2x to hold their
-#: fastest route (one shallow cell 5.7x); the BiFPN pyramid of bench_peers (depth 248) 5.3x,
-#: its forward routes ran 6-10x their estimates and its reverse ones 0.26-0.41x
-DEEP_DEPTH = 100
-#: on a deep model the shortlist spans this factor (the cost model's error between two of
-#: the BiFPN pyramid's routes reached 24x: bucketed/fwd 10x its estimate, padded/rev 0.41x)
-DEEP_SHORTLIST = 32.0
-#: where every sample has a shape of its own, a route whose one-sample warm-up (scaled like
-#: the timed calls) took this many times the fastest timed route's time is not timed: a
-#: route's first call paid at most 2.7x its later time (once 4x, :data:`RETIME`)
-WARM_CUTOFF = 4.0
+#: ``tune=True`` times each route on this many samples of the largest bucket (or the batch)
+PROBE_SAMPLES = 8
 
 
 class _RouteTiming:
-    """``auto``'s measuring of one call (the half of :class:`_EngineRun` that times routes and
-    samples per call on the run's own samples): the shortlist, the routes' timing, the samples
-    per vectorised call and the note where the timing contradicts the estimate."""
+    """``tune=True``'s measuring of one call (the half of :class:`_EngineRun` that times
+    routes): every route ``auto`` chooses between, timed on the run's first samples."""
 
     fn: PerSampleFunction
     packed: PackedBatch
@@ -292,360 +257,85 @@ class _RouteTiming:
     trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None
 
     def tune(self, ran: Strategy, plan: VectorPlan) -> tuple[Strategy, VectorPlan]:
-        """Shortlist the routes ``auto`` chooses between (strategy x mode x entries: those the
-        cost model does not rule out by more than its known error, :data:`SHORTLIST`x, or
-        :data:`DEEP_SHORTLIST`x on a model :data:`DEEP_DEPTH` ops deep, and always its own
-        choice and the same route with generic entries) to be timed on the run itself
-        (:meth:`try_routes`): under ``tune="auto"`` on batches of :data:`MIN_PROBE_BATCH`
-        samples (the routes also where every sample has a shape of its own, the samples per
-        call only where a bucket has several), under ``"measure"`` always."""
+        """Under ``tune=True`` (``"measure"``): plan every route ``auto`` chooses between
+        (strategy x mode x entries; a route that cannot plan is no candidate) to be timed
+        on the run itself (:meth:`try_routes`), none whose working set exceeds
+        :data:`~multiscale_jac._tuning.GROWTH` x the estimate's choice's (or the default
+        working set, where larger). Otherwise the estimate's choice runs."""
         o = self.options
+        if o.tune is not Tune.MEASURE:
+            return ran, plan
         strategies = [ran]
         if o.strategy is Strategy.AUTO and len(self.packed.buckets()) > 1:
             strategies = [Strategy.BUCKETED, Strategy.PADDED]
         modes = [Mode.REV, Mode.FWD] if o.mode is Mode.AUTO else [plan.mode]
         entries = [o.entries]
         if o.entries is Entries.AUTO and plan.structured:
-            entries.append(Entries.GENERIC)  # the structured passes' cost is a guess too
-        candidates = [(s, m, e) for s in strategies for m in modes for e in entries]
-        if under_budget(o.tune, o.memory_budget, self.notes):
-            return ran, plan
-        if o.tune is Tune.ESTIMATE or (len(candidates) < 2 and not self.resizable(plan)):
-            return ran, plan
-        first = (ran, plan.mode, o.entries)  # the estimate's choice: it also warms up
+            entries.append(Entries.GENERIC)
+        first = (ran, plan.mode, o.entries)  # the estimate's choice
         plans = {first: plan}
-        for s, m, e in candidates:
-            if (s, m, e) not in plans:
+        for key in [(s, m, e) for s in strategies for m in modes for e in entries]:
+            if key not in plans:
                 try:
-                    route = dataclasses.replace(o, mode=m, entries=e)
-                    plans[s, m, e] = plan_strategy(self.fn, self.packed, s, route, [])
+                    route = dataclasses.replace(o, mode=key[1], entries=key[2])
+                    plans[key] = plan_strategy(self.fn, self.packed, key[0], route, [])
                 except (RuntimeError, UnsupportedOpError, MemoryBudgetError):
                     continue  # a route that cannot run is no candidate
-        # nothing timed holds more than GROWTH x the estimate's choice's working set, or the
-        # default working set where that is larger (what any plan without a budget may hold:
-        # a route 7x the estimate's 22 MiB choice ran the BiFPN's ragged batch 1.7x faster)
-        self.workset = max(plan.workset, default_workset(plan.device))
-        heavy = {k: p.workset for k, p in plans.items() if grows(p.workset, self.workset)}
+        limit = max(plan.workset, default_workset(plan.device))
+        heavy = {k: p.workset for k, p in plans.items() if grows(p.workset, limit)}
         if heavy:
             self.notes.append(
-                f"tune: not timed, their working set over {GROWTH}x "
-                f"{mib(self.workset)} (the estimate's choice's, or the default working set): "
+                f"tune: not timed, their working set over {GROWTH}x {mib(limit)} (the "
+                "estimate's choice's, or the default working set): "
                 + ", ".join(f"{_route(k)} ({mib(w)})" for k, w in heavy.items())
             )
-        plans = {k: p for k, p in plans.items() if k not in heavy}
-        estimates = {k: plan_seconds(p) for k, p in plans.items()}
-        best = min(estimates.values())
-        keep = {first, (ran, plan.mode, Entries.GENERIC)}
-        # the padded plan's pass also runs the masking ops: its depth is not the model's
-        depth = max(
-            (
-                g.footprint.depth
-                for k, p in plans.items()
-                if k[0] is not Strategy.PADDED
-                for g in p.groups
-            ),
-            default=0,
-        )
-        self.depth = depth
-        error = DEEP_SHORTLIST if depth >= DEEP_DEPTH else SHORTLIST  # the model's known error
-        trial = [(k, p) for k, p in plans.items() if estimates[k] <= error * best or k in keep]
-        # routes estimated within the model's error of each other are timed, also where every
-        # sample has a shape of its own (each route then runs samples of its own); the
-        # samples per call only where a bucket has several
-        largest = max(len(b.indices) for b in self.packed.buckets())
-        if not (len(trial) > 1 or self.resizable(plan)):
-            return ran, plan
-        if o.tune is not Tune.MEASURE and (
-            len(self.packed) < MIN_PROBE_BATCH or (largest < 2 and len(trial) < 2)
-        ):
-            return ran, plan
-        extra, work = self.timing_cost(first, trial, estimates, largest)
-        verdict = decide(o.tune, self.fn.model, self.key, extra=extra, work=work)
-        # ``auto`` measuring on the estimate's word (not deferred before): the timing also
-        # stops where it does not pay as measured (time_candidates' units), deferring then
-        on_estimate = o.tune is Tune.AUTO and not deferred_before(self.fn.model, self.key)
-        self.guard = len(self.packed) if verdict == "measure" and on_estimate else None
-        if verdict == "defer":
-            self.deferred = True
-            self.notes.append(deferred_note(extra, work))
-        if verdict == "measure":
-            self.trial, self.estimates = trial, estimates
-            if error != SHORTLIST and len(trial) > 1:
-                self.notes.append(
-                    f"tune: a deep model ({depth} ops between the selected entries and the "
-                    f"output): the routes estimated within {error:g}x of the best are timed"
-                )
+        trial = [(k, p) for k, p in plans.items() if k not in heavy]
+        self.trial = trial if len(trial) > 1 else None
         return ran, plan
 
-    def timing_cost(
-        self,
-        first: tuple[Strategy, Mode, Entries],
-        trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]],
-        estimates: dict[tuple[Strategy, Mode, Entries], float],
-        largest: int,
-    ) -> tuple[float, float]:
-        """The estimated seconds that timing ``trial`` adds to the call and the call's own
-        (the estimate's choice ``first`` for the job), by the cost model: each route's
-        one-sample warm-up, and on its timed samples (a share of the largest bucket, twice
-        with the second round) what it costs over ``first`` (the samples count towards the
-        result); one more warm-up call for the samples per call."""
-        n = len(self.packed)
-        per = {k: estimates[k] / n for k, _ in trial}
-        share = max(largest // len(trial) - 1, min(largest, MIN_PROBE_SAMPLES))
-        extra = sum(per.values()) + sum(
-            2 * share * max(0.0, per[k] - per[first]) for k in per if k != first
-        )
-        return extra + per[first], estimates[first]
-
-    def stop_timing(self) -> None:
-        """The timing did not pay as measured: nothing is cached and the same call again
-        measures (as a deferred one)."""
-        if not self.deferred:
-            self.deferred = True
-            defer(self.fn.model, self.key)
-            self.notes.append(
-                "tune: timing stopped: it cost more than "
-                f"{PAYS:.0%} of the job as measured; the same call again measures"
-            )
-
-    def resizable(self, plan: VectorPlan) -> bool:
-        """Whether the samples per vectorised call are ``auto``'s to time: the caller set no
-        ``chunk_size`` and the largest bucket's calls can grow (:meth:`call_sizes`)."""
-        return self.options.chunk_size is None and self.call_sizes(plan)[1]
-
-    def call_sizes(self, plan: VectorPlan) -> tuple[int, bool]:
-        """The planned samples per call ``n`` of the largest bucket, and whether they may grow
-        (the bucket has more samples, no ``memory_budget`` bounds the calls, and ``n`` is at
-        least 2, so that half of it is a call too: one sample a call fills the default
-        working set already, and on the strided tanh CNN, 21 MB of Jacobian a sample, the
-        timed calls of two ran faster and the whole batch slower)."""
-        n = _call_size(plan, self.packed)
-        largest = max(len(b.indices) for b in self.packed.buckets())
-        return n, self.options.memory_budget is None and 2 <= n < largest
-
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
-        """Run the first samples of the largest bucket with each shortlisted route: a
-        one-sample warm-up (a route's first call pays one-time costs), then one vectorised
-        call on an equal share of the bucket, at least :data:`MIN_PROBE_SAMPLES` (or the whole
-        bucket), timed; then the routes within ``RETIME`` of the fastest once more, the faster
-        of its two times counting (the rules of :mod:`~multiscale_jac._tuning`: a route's
-        first vectorised call at a size still paid up to 2.7x its later time); a tie goes to
-        the estimate's choice; then the chosen route's samples per call (:meth:`try_calls`). Their
-        Jacobians go into the result, so timing costs only the slower routes' extra time.
-        Where the bucket is too small for every route to get new samples, later routes redo
-        samples already done (their results are the same). Where every sample has a shape of
-        its own (the largest bucket holds one), each route runs samples of its own instead,
-        the smallest first, and its time is scaled to the whole job by its own estimate
-        (:meth:`_run_route`); a route whose warm-up took :data:`WARM_CUTOFF` times the fastest
-        timed one is not timed. Where the timing contradicts the estimate by
-        :data:`SHORTLIST`x or more, a note says what the cost model missed. Returns the
-        result buffers, the samples done and the fastest route."""
-        trial, self.trial = self.trial or [], None  # ((strategy, mode, entries), plan)
-        into = _buffers([p for _, p in trial], self.fn)
-        bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
-        self.spread = len(bucket.indices) == 1 and len(trial) > 1
-        if self.spread:  # every sample its own shape: the samples in order of size
-            sizes = [sum(t.numel() for t in self.packed.sample(i)) for i in range(len(self.packed))]
-            bucket = _Samples(sorted(range(len(self.packed)), key=sizes.__getitem__))
-        pool = list(bucket.indices)
-        share = max(len(pool) // len(trial) - 1, min(len(pool), MIN_PROBE_SAMPLES))
-        done: set[int] = set()
-
-        least = min((p.workset for _, p in trial if p.workset > 0), default=0)
-
-        def call_size(plan: VectorPlan) -> int:
-            # one vectorised call of the route (its samples per call), up to a share of the
-            # bucket (per-sample times of one sample misjudge routes that vectorise better)
-            # and to MEASURE x the lightest route's calls (a heavier route that loses would
-            # otherwise hold more than the route that runs)
-            n = _call_size(plan, self.packed)
-            return min(share, trial_samples(n, plan.workset, least))
-
-        if len(trial) == 1:  # only the samples per call are timed
-            ((best, plan),) = trial
-            into, done, plan = self.try_calls(best, plan, bucket, pool, into, done)
-            return into, done, best[0], plan
+        """Run each route of :meth:`tune` on the same first :data:`PROBE_SAMPLES` samples of
+        the largest bucket (where every sample has a shape of its own: the smallest samples
+        of the batch), after a one-sample warm-up, by the rules of
+        :func:`~multiscale_jac._tuning.time_candidates`; a tie goes to the estimate's
+        choice. The samples' Jacobians stay in the result (every route's are the same).
+        Returns the result buffers, the samples done and the fastest route."""
+        trial, self.trial = self.trial or [], None
         plans = dict(trial)
-        skipped: list[str] = []
+        into = _buffers(list(plans.values()), self.fn)
+        bucket = max(self.packed.buckets(), key=lambda b: len(b.indices)).indices
+        if len(bucket) == 1:  # every sample its own shape: the smallest ones
+            sizes = [sum(t.numel() for t in self.packed.sample(i)) for i in range(len(self.packed))]
+            bucket = sorted(range(len(self.packed)), key=sizes.__getitem__)
+        idx = list(bucket[:PROBE_SAMPLES])
 
-        def skip(key: tuple[Strategy, Mode, Entries], warm: float, times: dict) -> bool:
-            if self.spread and times and warm > WARM_CUTOFF * min(times.values()):
-                skipped.append(f"{_route(key)} (warm-up {warm * len(self.packed):.3g} s)")
-                return True
-            return False
+        def run(key: tuple[Strategy, Mode, Entries], only: list[int]) -> float | None:
+            try:
+                with torch.no_grad():
+                    _fill(
+                        plans[key], self.fn, self.options.randomness, [], into=into, only=set(only)
+                    )
+            except (RuntimeError, NotImplementedError) as err:
+                self.notes.append(f"tune: {_route(key)} failed ({first_line(err)})")
+                return None
+            return len(only)
 
         times = time_candidates(
             list(plans),
-            lambda k: self._run_route(k, plans[k], call_size(plans[k]), bucket, pool, into, done),
+            lambda k: run(k, idx),
             devices=[trial[0][1].device],
-            warm_up=lambda k: self._run_route(k, plans[k], 1, bucket, pool, into, done),
-            skip=skip,
-            units=self.guard,
-            on_stop=self.stop_timing,
+            warm_up=lambda k: run(k, idx[:1]),
         )
         if not times:  # every route failed on the data: the run meets the error again
             return into, set(), trial[0][0][0], trial[0][1]
         best = pick(times, prefer=lambda k: k == trial[0][0])  # ties: the estimate's
-        if self.spread:
-            n = len(self.packed)
-            self.notes.append(
-                "tune: every sample has a shape of its own: each route timed on samples of "
-                "its own, scaled to the whole job by its estimate: "
-                + ", ".join(
-                    f"{_route(k)} {v * n:.3g} s (estimated {self.estimates[k]:.3g} s)"
-                    for k, v in times.items()
-                )
-                + (f"; not timed after its warm-up: {', '.join(skipped)}" if skipped else "")
-                + f"; chose {_route(best)}"
-            )
-        else:
-            self.notes.append(
-                "tune: timed on the run's first samples (vectorised calls): "
-                + ", ".join(f"{_route(k)} {v * 1e3:.1f} ms" for k, v in times.items())
-                + f" per sample; chose {_route(best)}"
-            )
-        self._contradiction(trial[0][0], best, times, dict(trial))
+        self.notes.append(
+            f"tune: timed on {len(idx)} samples of the run: "
+            + ", ".join(f"{_route(k)} {v * 1e3:.1f} ms" for k, v in times.items())
+            + f" per sample; chose {_route(best)}"
+        )
         self.options = dataclasses.replace(self.options, mode=best[1], entries=best[2])
-        plan = dict(trial)[best]
-        if self.resizable(plan) and not self.deferred:  # (deferred: the timing stopped)
-            into, done, plan = self.try_calls(best, plan, bucket, pool, into, done)
-        return into, done, best[0], plan
-
-    def _contradiction(
-        self,
-        first: tuple[Strategy, Mode, Entries],
-        best: tuple[Strategy, Mode, Entries],
-        times: dict[tuple[Strategy, Mode, Entries], float],
-        plans: dict[tuple[Strategy, Mode, Entries], VectorPlan],
-    ) -> None:
-        """Note where the timing ranks the estimate's choice ``first`` below ``best`` by
-        :data:`SHORTLIST`x or more against the estimate: the two routes' estimates and their
-        times for the whole job, and what the cost model missed: it counts a fixed
-        ``call_s`` a vectorised forward pass (plus work by activation bytes), and the route
-        its timing fell furthest behind runs so many passes of so many ops each."""
-        est = self.estimates
-        if best == first or first not in times or first not in est or best not in est:
-            return
-        off = (est[best] / est[first]) / (times[best] / times[first])
-        if off < SHORTLIST:
-            return
-        n = len(self.packed)
-        job = {k: times[k] * n for k in (first, best)}
-        worse = max((first, best), key=lambda k: job[k] / est[k])  # furthest over its estimate
-        plan = plans[worse]
-        passes = len(plan.spans) if plan.mode is Mode.FWD else 1
-        calls = (
-            sum(-(-len(g.indices) // min(c.samples for c in g.chunks)) for g in plan.groups)
-            * passes
-        )
-        call_s = COST_CONSTANTS.get(plan.device.type, COST_CONSTANTS["cuda"])["call_s"]
-        per_pass = job[worse] / calls
-        missed = (
-            f"each pass took about {per_pass * 1e3:.0f} ms, not the {call_s * 1e3:.0f} ms it "
-            f"counts a vectorised forward pass (plus work by activation bytes): the per-op cost "
-            f"of a pass through {self.depth} ops is what it missed"
-            if per_pass >= SHORTLIST * call_s
-            else f"its work by activation bytes misjudged {_route(worse)}"
-        )
-        per_call = f", {passes} a call: one per selected tensor" if passes > 1 else ""
-        self.notes.append(
-            f"tune: the timing contradicts the estimate by {off:.0f}x: estimated "
-            f"{_route(first)} {est[first]:.3g} s and {_route(best)} {est[best]:.3g} s, measured "
-            f"{job[first]:.3g} s and {job[best]:.3g} s for the job; {_route(worse)} took "
-            f"{job[worse] / est[worse]:.3g}x its estimate in {calls} vectorised passes"
-            f"{per_call}: {missed}"
-        )
-
-    def try_calls(
-        self,
-        key: tuple[Strategy, Mode, Entries],
-        plan: VectorPlan,
-        bucket: Any,
-        pool: list[int],
-        into: tuple[Tensor, Tensor],
-        done: set[int],
-    ) -> tuple[tuple[Tensor, Tensor], set[int], VectorPlan]:
-        """Grow the chosen route's samples per vectorised call where a call's fixed cost says
-        larger calls pay: the planned size ``n`` and ``n // 2`` are timed on as many samples
-        each (a warm-up call each first: a first call at a size pays one-time costs), a
-        call's time is fitted as a fixed cost plus a cost per sample, and the calls grow to
-        the largest size, up to ``GROWTH`` x ``n`` and the bucket (:func:`even_chunk`), whose
-        fitted time per sample beats ``n``'s measured one by :data:`~multiscale_jac._tuning.TIE`
-        (the cost model sizes calls by a default working set, a guess). Nothing larger than
-        the calls that run is timed: a timed call of ``2n`` that lost held twice the working
-        set of the calls that ran (the peak memory of the measuring then exceeded the run's).
-        Calls never shrink below ``n``: timing a smaller size against ``n`` held ``n``'s
-        working set already."""
-        if not self.resizable(plan):
-            return into, done, plan
-        n, _ = self.call_sizes(plan)
-        largest = len(bucket.indices)
-        half = n // 2
-        plans = {n: plan, half: _resized(plan, half, n)}
-        window = min(max(2 * n, MIN_PROBE_SAMPLES), largest)
-        warm: set[int] = set()
-
-        def warm_up(size: int) -> float | None:
-            if size in warm:
-                return 1.0  # warmed up before: nothing to run
-            warm.add(size)
-            return self._run_route(key, plans[size], size, bucket, pool, into, done)
-
-        times = time_candidates(
-            [n, half],
-            lambda size: self._run_route(key, plans[size], window, bucket, pool, into, done),
-            devices=[plan.device],
-            warm_up=warm_up,
-            retime=0.0,  # the pair runs as many samples each: no second round
-            units=self.guard,
-            on_stop=self.stop_timing,
-        )
-        if n not in times or half not in times:
-            return into, done, plan
-        fixed, each = call_fit(half, times[half], n, times[n])
-        # the working set run: GROWTH x the estimate's choice's (calls grow with samples)
-        most = min(largest, GROWTH * n, grown(n, plan.workset, self.workset))
-        sizes = sorted({even_chunk(min(2**i * n, most), largest) for i in range(1, GROWTH)})
-        faster = [k for k in sizes if k > n and TIE * (fixed / k + each) <= times[n]]
-        chosen = max(faster, default=n)
-        if chosen != n:
-            plans[chosen] = _resized(plan, chosen, n)
-        self.notes.append(
-            f"tune: {_route(key)} in calls of {n} samples {times[n] * 1e3:.1f} ms, {half} "
-            f"samples {times[half] * 1e3:.1f} ms per sample (each on the same samples, after a "
-            f"warm-up call): a call {fixed * 1e3:.2f} ms and {each * 1e3:.2f} ms a sample; "
-            f"chose {chosen}"
-        )
-        return into, done, plans[chosen]
-
-    def _run_route(
-        self,
-        key: tuple[Strategy, Mode, Entries],
-        plan: VectorPlan,
-        k: int,
-        bucket: Any,
-        pool: list[int],
-        into: tuple[Tensor, Tensor],
-        done: set[int],
-    ) -> float | None:
-        """One call of a route on ``k`` samples: the next of ``pool`` (taken from it), or the
-        bucket's last ones where too few are left. Returns the work it did for
-        :func:`~multiscale_jac._tuning.time_candidates`: its samples, or, where samples
-        differ in shape, the whole job's count scaled by the route's own estimate for them
-        (``None``: it failed, noted)."""
-        idx = pool[:k] if len(pool) >= k else list(bucket.indices[-k:])
-        if len(pool) >= k:
-            del pool[:k]
-        try:
-            with torch.no_grad():
-                _fill(plan, self.fn, self.options.randomness, [], into=into, only=set(idx))
-        except (RuntimeError, NotImplementedError) as err:
-            self.notes.append(f"tune: {_route(key)} failed ({first_line(err)})")
-            return None
-        done.update(idx)
-        if self.spread:  # samples of different shapes: scaled by the route's own estimate
-            return len(self.packed) * _estimate_of(plan, idx) / plan_seconds(plan)
-        return len(idx)
+        return into, set(idx), best[0], plans[best]
 
 
 def _vmap_failure(fn: PerSampleFunction, packed: PackedBatch, randomness: Randomness) -> str | None:
@@ -675,24 +365,8 @@ class _EngineRun(_RouteTiming):
         self.notes: list[str] = []
         self.key = plan_key(fn, packed, options)
         self.cached = PLAN_CACHE.get(fn.model, self.key)
-        #: the shortlisted routes, timed on the first samples of the run (:meth:`try_routes`)
+        #: the routes ``tune=True`` times on the first samples of the run (:meth:`try_routes`)
         self.trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None = None
-        #: the cost model's seconds for every planned route of the job (:meth:`tune`)
-        self.estimates: dict[tuple[Strategy, Mode, Entries], float] = {}
-        #: every sample has a shape of its own: routes are timed on samples of their own,
-        #: scaled by their estimates (:meth:`try_routes`)
-        self.spread = False
-        #: the most ops between a selected entry and the output (:meth:`tune`)
-        self.depth = 0
-        #: ``tune="auto"`` found measuring too dear for this call: nothing cached, the same
-        #: call again measures (:func:`~multiscale_jac._tuning.decide`)
-        self.deferred = False
-        #: the job's samples where measuring was decided on the estimate of its work: the
-        #: timing stops where it does not pay as measured (``None``: asked for, or met again)
-        self.guard: int | None = None
-        #: the working set of the estimate's choice, at least the default one: what timing
-        #: may grow by GROWTH
-        self.workset = 0
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
@@ -732,16 +406,19 @@ class _EngineRun(_RouteTiming):
         return ran, plan
 
     def small_job(self) -> bool:
-        """Under ``tune="auto"``, a job whose loop would take under :data:`SMALL_JOB_S` (one
-        forward pass, timed, times the samples and rows) runs its cheapest plan: no survey, no
-        padded plan, no probe (planning would cost more than it saves)."""
+        """Unless ``tune=True``, a job whose loop is estimated under :data:`SMALL_JOB_S` (one
+        forward pass of the largest sample, priced on this machine from the ops and flops it
+        dispatched, times the samples and rows) runs its cheapest plan: no survey, no padded
+        plan (planning would cost more than it saves)."""
         o = self.options
         free = [o.strategy is Strategy.AUTO, o.mode is Mode.AUTO, o.entries is Entries.AUTO]
-        if o.tune is not Tune.AUTO or not any(free) or not auto_measures():
-            return False
+        if o.tune is Tune.MEASURE or not any(free) or o.strategy is Strategy.PADDED:
+            return False  # (padded asked for: the model sees padded samples only)
         levels = tuple(self.packed.sample(self.packed.largest_sample))
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            once, out = seconds(lambda: self.fn.call(self.fn.params, levels))
+            out, work = count_work(lambda: self.fn.call(self.fn.params, levels))
+        m = machine(self.fn.device, self.fn.values()[0].dtype)
+        once = m.overhead(work, "fwd") + m.flop_seconds(work.flops)
         rows = out.numel()
         loop = once * len(self.packed) * (1 + 2 * rows)
         if loop >= SMALL_JOB_S:
@@ -753,7 +430,7 @@ class _EngineRun(_RouteTiming):
         self.options = dataclasses.replace(o, mode=mode, entries=entries)
         self.notes.append(
             f"auto: a small job (the loop would take about {loop * 1e3:.0f} ms): mode "
-            f"{mode.value!r}, {entries.value} entries, no survey or probe"
+            f"{mode.value!r}, {entries.value} entries, no survey"
         )
         return True
 
@@ -835,11 +512,11 @@ class _EngineRun(_RouteTiming):
                 "inner_chunk_size": min(inner) if inner else None,
                 "structured": structured,
             }
-            if self.cached is None and not self.fallbacks and not self.deferred:
+            if self.cached is None and not self.fallbacks:
                 PLAN_CACHE.put(self.fn.model, self.key, decision(plan, structured, self.notes))
             return self.result(jac, outputs, plan.sizes, ran, plan.mode, **extra)
         jac, outputs, sizes = sample_loop(self.fn, self.packed, self.notes)
-        if self.cached is None and self.fallbacks and not self.deferred:
+        if self.cached is None and self.fallbacks:
             # a route that failed on these shapes fails again: later calls go to the loop
             # (the fallback still recorded and warned on each: cached_loop)
             PLAN_CACHE.put(self.fn.model, self.key, loop_decision(sizes, self.fallbacks))
@@ -868,48 +545,6 @@ class _EngineRun(_RouteTiming):
             outputs=outputs,
             **extra,
         )
-
-
-class _Samples(NamedTuple):
-    """Samples in the order :meth:`_EngineRun.try_routes` takes them (a bucket's ``indices``,
-    or every sample, the smallest first, where every sample has a shape of its own)."""
-
-    indices: list[int]
-
-
-def _estimate_of(plan: VectorPlan, idx: list[int]) -> float:
-    """The cost model's seconds for ``plan`` on samples ``idx`` alone (each group's share
-    in calls of its planned size)."""
-    chosen = set(idx)
-    groups = []
-    for g in plan.groups:
-        n = sum(1 for i in g.indices if i in chosen)
-        if n:
-            groups.append((n, min(n, min(c.samples for c in g.chunks)), g.footprint))
-    return estimate_seconds(groups, plan, plan.strategy is Strategy.PADDED)
-
-
-def _call_size(plan: VectorPlan, packed: PackedBatch) -> int:
-    """Samples per vectorised call of ``plan`` in the largest shape bucket."""
-    bucket = max(packed.buckets(), key=lambda b: len(b.indices))
-    (group,) = [g for g in plan.groups if bucket.indices[0] in g.indices]
-    return max(c.samples for c in group.chunks)
-
-
-def _resized(plan: VectorPlan, k: int, n: int) -> VectorPlan:
-    """``plan`` with ``k / n`` times its samples per vectorised call (at least one, at most a
-    group's samples)."""
-    groups = [
-        dataclasses.replace(
-            g,
-            chunks=tuple(
-                dataclasses.replace(c, samples=max(1, min(len(g.indices), c.samples * k // n)))
-                for c in g.chunks
-            ),
-        )
-        for g in plan.groups
-    ]
-    return dataclasses.replace(plan, groups=groups)
 
 
 def _route(key: tuple[Strategy, Mode, Entries]) -> str:

@@ -91,13 +91,14 @@ class Entries(_StrEnum):
 
 
 class Tune(_StrEnum):
-    """How ``auto`` picks a route: ``estimate`` (the cost model alone: nothing timed, no timed
-    choice recalled), ``measure`` (time the cost model's shortlist on the call itself, always)
-    or ``auto`` (time it where measuring is estimated to cost at most 25% of the call's work,
-    or where the same call ran before without measuring: a one-shot call runs the estimate's
-    choice). Timed samples stay in the result; the choice is kept per shapes and can be saved
-    (:mod:`multiscale_jac.tuning`; docs/design.md, "How the library chooses"). ``True`` means
-    ``measure`` and ``False`` ``estimate`` on every entry point that takes ``tune``."""
+    """How ``auto`` picks a route: ``auto`` (default) by the cost model, priced on this
+    machine from the model's ops and flops (:mod:`~multiscale_jac._calibration`), or a
+    choice ``measure`` made before for the same shapes; nothing is timed, so no call is
+    slower for being the first or the second. ``measure`` times the candidates on the call
+    itself (opt-in, like ``torch.backends.cudnn.benchmark``) and keeps the fastest per shapes
+    (it can be saved: :mod:`multiscale_jac.tuning`); ``estimate`` is the cost model alone,
+    nothing recalled. ``True`` means ``measure`` and ``False`` ``estimate`` on every entry
+    point that takes ``tune`` (docs/design.md, "How the library chooses")."""
 
     AUTO = "auto"
     MEASURE = "measure"

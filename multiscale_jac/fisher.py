@@ -66,18 +66,7 @@ from ._memory import (
 )
 from ._planning import EngineOptions, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
-from ._tuning import (
-    GROWTH,
-    PLAN_CACHE,
-    auto_measures,
-    decide,
-    deferred_note,
-    one_call,
-    pick,
-    register_types,
-    time_candidates,
-    under_budget,
-)
+from ._tuning import GROWTH, PLAN_CACHE, pick, register_types, time_candidates
 from .adapter import PerSampleFunction
 from .engine import run_engine
 from .enums import (
@@ -111,10 +100,8 @@ register_types(FisherMethod)  # in the decisions a file keeps (multiscale_jac.tu
 #: would take 32 MiB: :func:`~multiscale_jac._memory.cpu_chunk_cap`; on the strided tanh CNN,
 #: 15 samples a call took 0.35-0.5x the time of 32)
 _VMAP_CHUNK = 32
-#: ``method="auto"`` times layer-wise against ``vmap`` on batches of this many samples
-MIN_TUNE_SAMPLES = 16
-#: ``method="auto"``: the larger layer-wise chunk it times (and runs, when chosen), the one
-#: growth rule (:data:`~multiscale_jac._tuning.GROWTH`) over the planned chunk: 128 samples
+#: ``method="auto", tune=True``: the larger layer-wise chunk it times (and runs, when chosen), the
+#: one growth rule (:data:`~multiscale_jac._tuning.GROWTH`) over the planned chunk: 128 samples
 _LAYERWISE_CHUNK = GROWTH * _VMAP_CHUNK
 
 
@@ -158,7 +145,6 @@ class DiagFisherResult:
         return self.subset.split(self.flat)
 
 
-@one_call
 def diag_fisher(
     model: nn.Module,
     data: Iterable[tuple[Any, Any]],
@@ -203,7 +189,7 @@ def diag_fisher(
         method: ``auto``, ``layerwise`` or ``vmap`` (see :class:`~multiscale_jac.FisherMethod`).
         input_kind: How to read ambiguous ``inputs`` (:func:`~multiscale_jac.pack`).
         chunk_size: Samples per batched run (``layerwise``; default: a shape bucket, or what
-            ``memory_budget`` allows; ``auto`` times 32 and up to 128) or per vectorised call
+            ``memory_budget`` allows; ``tune=True`` times 32 and up to 128) or per vectorised call
             (``vmap``; default 32, on CPU fewer where a tensor's gradients would take 32 MiB).
         memory_budget: Bytes of the call's working set, the accumulators included.
         randomness: ``error``, ``different`` or ``same`` for random ops, as ``torch.func.vmap``.
@@ -215,9 +201,9 @@ def diag_fisher(
         return_loss: Also sum the negative log-likelihood of the data's own targets at
             ``sigma_noise`` (:attr:`DiagFisherResult.loss`; from the same batched passes where
             a batch ran layer-wise, else one more forward pass of it without gradients).
-        tune: ``method="auto"``'s choice (:class:`~multiscale_jac.Tune`): ``auto`` times the
-            routes on a first batch of 16+ samples, ``measure`` (``True``) on any, ``estimate``
-            (``False``) never (layer-wise where the model has a plan).
+        tune: ``method="auto"``'s choice (:class:`~multiscale_jac.Tune`): ``True`` times the
+            routes on the first batch; ``auto``: layer-wise where the model has a plan, or a
+            choice ``tune=True`` kept for these shapes; ``False``: nothing recalled.
 
     Returns:
         A :class:`DiagFisherResult`.
@@ -377,24 +363,12 @@ class _FisherTuning:
         if not self._choosing():
             return False
         self.tuned = True
-        if self.opts.tune is not Tune.MEASURE and (
-            not auto_measures() or len(packed) < MIN_TUNE_SAMPLES
-        ):
-            return False
-        if under_budget(self.opts.tune, self.opts.memory_budget, self.notes):
+        if self.opts.tune is not Tune.MEASURE:
             return False
         bucket = max(packed.buckets(), key=lambda b: len(b.indices))
         n = len(bucket.indices)
         plan, (asked, vmap_chunk) = self.plan, self.chunks
         sizes = [asked] if asked else [min(n, _VMAP_CHUNK), min(n, _LAYERWISE_CHUNK)]
-        # in samples: the dropped runs (the other sizes' warm-ups, one timed run each, a
-        # second round), against the batch's own samples
-        extra = sum(sizes[:-1]) + min(n, vmap_chunk) + 2 * (sum(sizes) + min(n, vmap_chunk))
-        verdict = decide(self.opts.tune, self.prep.model, self.key, extra=extra, work=len(packed))
-        if verdict == "defer":
-            self.notes.append(deferred_note(extra, len(packed)))
-        if verdict != "measure":
-            return False
         self.chunks = (sizes[-1], vmap_chunk)
         self._add_terms(fn, packed, targets)  # the batch, counted; warms the last size
         if self.plan is None:  # layer-wise fell back: vmap

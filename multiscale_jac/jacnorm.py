@@ -56,19 +56,7 @@ from ._planning import (
     subset_key,
 )
 from ._stream import with_progress
-from ._tuning import (
-    GROWTH,
-    PLAN_CACHE,
-    RETIME,
-    auto_measures,
-    decide,
-    deferred_note,
-    one_call,
-    pick,
-    register_types,
-    time_candidates,
-    under_budget,
-)
+from ._tuning import GROWTH, PLAN_CACHE, RETIME, pick, register_types, time_candidates
 from .enums import (
     BatchNormPolicy,
     Estimator,
@@ -93,11 +81,10 @@ _HVP_CHUNK = 16
 #: default: 0.88x the time on an 8-conv CNN, 0.91x on a GELU CNN, 0.73x on a GroupNorm /
 #: depthwise CNN, 0.77x on a small transformer; 2 CPU cores, torch 2.13)
 _VMAP_CHUNK = 32
-#: ``auto`` also times the ``vmap`` route at half its chunk when the chunk is at least this
+#: ``tune=True`` also times the ``vmap`` route at half its chunk when the chunk is at least this
 _HALF_CHUNK_FROM = 8
 
 
-@one_call
 def jacobian_sq_norm(
     model: nn.Module,
     inputs: Any,
@@ -148,9 +135,9 @@ def jacobian_sq_norm(
         strict: Raise instead of falling back from ``layerwise`` to ``vmap`` at run time.
         progress: A tqdm bar over the chunks when a terminal is attached.
         generator: Seeds the probes (drawn once, so value and gradient use the same ones).
-        tune: How ``method="auto"`` chooses (:class:`~multiscale_jac.Tune`): the methods are
-            timed on a probe of the data when that costs under a tenth of the job (``auto``),
-            always (``measure``) or never (``estimate``); the choice is cached per shapes.
+        tune: How ``method="auto"`` chooses (:class:`~multiscale_jac.Tune`): ``True`` times
+            the methods on the job's first chunks, kept per shapes; ``auto`` runs such a kept
+            choice, else ``vmap``; ``False``: ``vmap``, nothing recalled.
         accumulate_grad: Compute value and gradient in one pass now and add
             ``scale * grad S`` into ``.grad``; the returned value is then detached.
         scale: The factor of the accumulated gradient (only with ``accumulate_grad=True``;
@@ -200,7 +187,6 @@ def _accumulate(job: _Job, scale: float, reducer: Reducer) -> Tensor:
     return value
 
 
-@one_call
 def jacobian_sq_norm_backward(
     model: nn.Module,
     inputs: Any,
@@ -429,24 +415,8 @@ class _Job:
             )
             return
         largest = max(len(b.indices) for b in self.packed.buckets())
-        routes, needed = self._trial_routes(tune, largest)
-        if tune is Tune.ESTIMATE or len(routes) < 2 or (tune is Tune.AUTO and not auto_measures()):
-            return
-        if under_budget(tune, self._sizing[1], self.notes):
-            return
-        if tune is Tune.AUTO and largest < needed:
-            self.notes.append(
-                f"tune: {largest} samples in the largest bucket, {needed} needed to time "
-                f"{len(routes)} routes on the data: ran the estimate"
-            )
-            return
-        # in samples: those of the routes but the estimate's (counted, at up to twice its
-        # time a sample), twice with the second round, against the job's
-        ours = (self.method, self.chunk_for(self.method))
-        extra = 2 * sum(route[1] for route in routes if route != ours)
-        verdict = decide(tune, self.fn.model, self.key, extra=extra, work=len(self.packed))
-        if verdict == "defer":
-            self.notes.append(deferred_note(extra, len(self.packed)))
+        routes, _ = self._trial_routes(tune, largest)
+        if tune is not Tune.MEASURE or len(routes) < 2:
             return
         self.trial = routes
 
@@ -454,8 +424,8 @@ class _Job:
         self, tune: Tune, largest: int
     ) -> tuple[list[tuple[JacNormMethod, int]], int]:
         """The ``(method, chunk)`` routes to time and the samples they and the warm-up chunk
-        take. Under ``auto``, where the ``largest`` bucket is short of samples, ``hvp`` and
-        then ``vmap`` at half its chunk are left out (noted); the larger ``vmap`` chunk is
+        take. Where the ``largest`` bucket is short of samples, ``hvp`` and then ``vmap`` at
+        half its chunk are left out (noted); the larger ``vmap`` chunk is
         timed only on samples left over (:meth:`_larger`)."""
         routes = []
         for m in self.candidates():
@@ -471,7 +441,7 @@ class _Job:
         spare = [r for r in routes if r[0] is JacNormMethod.HVP]
         spare += [r for r in routes if r[0] is JacNormMethod.VMAP and r[1] < max(vmap, default=0)]
         left_out = []
-        while tune is Tune.AUTO and largest < needed and spare and len(routes) > 2:
+        while largest < needed and spare and len(routes) > 2:
             route = spare.pop(0)
             routes.remove(route)
             needed -= route[1]

@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 from ._memory import CACHE_BYTES, DEFAULT_TEMP_BYTES, chunk_in, tensor_bytes
 from ._ops import named, numeric_padding
 from ._row_replay import ROW_PLANS, RowPlan, describe
-from ._tuning import KERNEL_CACHE, auto_measures, decide, pick, time_candidates
+from ._tuning import KERNEL_CACHE, pick, time_candidates
 from .adapter import PerSampleFunction
 from .enums import LayerRule, Tune
 from .rows import RowGroups, RowTracker, groups_of, output_rows
@@ -493,15 +493,11 @@ class LayerwiseRun:
         (:func:`_conv_weight_grads`). Neither wins everywhere (on 2 CPU cores the grouped
         convolution took 0.35x the columns' time at 16 input channels per sample and 3-10x
         past about 2,000 channels per call), so where a layer is large enough for it to
-        matter the candidates are timed once per layer and size class (under ``tune="auto"``
-        the second time the two are met: timing costs several runs of the layer, so a first
-        meeting runs columns, :func:`~multiscale_jac._tuning.decide`) and the fastest is
-        kept in a process-wide cache (bounded, holding the layer weakly, emptied by
-        :func:`~multiscale_jac.clear_plan_cache`). Columns below that size or with a
-        graph, and without measuring (``tune=False``, or ``"auto"`` switched off: no recalled
-        timed choice either)."""
-        measures = self.tune is Tune.MEASURE or (self.tune is Tune.AUTO and auto_measures())
-        if self.create_graph or not isinstance(m, _CONV) or not measures:  # columns
+        matter the candidates are timed once per layer and size class under ``tune=True``
+        and the fastest is kept in a process-wide cache (bounded, holding the layer weakly,
+        emptied by :func:`~multiscale_jac.clear_plan_cache`), which ``tune="auto"`` reads.
+        Columns below that size, with a graph, and where nothing was measured."""
+        if self.create_graph or not isinstance(m, _CONV) or self.tune is Tune.ESTIMATE:
             return 0
         n, co = g.shape[:2]
         if 2.0 * n * co * ck * g[0, 0].numel() < PROBE_MIN_FLOPS:
@@ -512,12 +508,10 @@ class LayerwiseRun:
         key = ("layerwise_kernel", sizes, tuple(m.weight.shape), a.dtype, a.device)
         chosen = KERNEL_CACHE.get(m, key)
         if chosen is None:
+            if self.tune is not Tune.MEASURE:
+                return 0
             most = min(self._chunk(n, co * ck, g), max(1, GROUPED_CHANNELS // max(co, a.shape[1])))
             kernels = sorted({0, most, max(1, most // 4)})
-            # in runs of this layer: a warm-up and two timed runs of each kernel, against the
-            # one run it does: measured where the same layer and size class come again
-            if decide(self.tune, m, key, extra=3.0 * len(kernels), work=1.0) != "measure":
-                return 0
             chosen = self._probe(s, m, a, g, kernels)
             KERNEL_CACHE.put(m, key, chosen)
         return chosen

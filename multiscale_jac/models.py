@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ConvBlock", "SharedHeadFPN", "TinyFPN"]
+__all__ = ["ConvBlock", "MultiBranchNet", "SharedHeadFPN", "TinyFPN"]
 
 
 class ConvBlock(nn.Module):
@@ -122,3 +122,80 @@ class SharedHeadFPN(nn.Module):
         laterals = [conv(x) for conv, x in zip(self.lateral, feats)]
         outs = map_levels(self.head, laterals, packing=self.packing)
         return torch.cat([o.flatten(1) for o in outs], dim=1)
+
+
+class _Branch(nn.Module):
+    """Residual blocks of two 3x3 convs with GroupNorm, at one resolution."""
+
+    def __init__(self, ch: int, blocks: int) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(ch, ch, 3, padding=1) for _ in range(2 * blocks))
+        self.norms = nn.ModuleList(nn.GroupNorm(4, ch) for _ in range(2 * blocks))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i in range(0, len(self.convs), 2):
+            h = F.relu(self.norms[i](self.convs[i](x)))
+            x = F.relu(x + self.norms[i + 1](self.convs[i + 1](h)))
+        return x
+
+
+class _Fuse(nn.Module):
+    """Every branch into every other: a 1x1 conv and nearest upsampling from a coarser one,
+    strided 3x3 convs from a finer one, summed."""
+
+    def __init__(self, chans: Sequence[int]) -> None:
+        super().__init__()
+        self.ops = nn.ModuleDict()
+        for i, ci in enumerate(chans):
+            for j, cj in enumerate(chans):
+                if j > i:
+                    self.ops[f"{j}to{i}"] = nn.Conv2d(cj, ci, 1)
+                elif j < i:
+                    steps = [
+                        nn.Conv2d(cj if k == 0 else ci, ci, 3, stride=2, padding=1)
+                        for k in range(i - j)
+                    ]
+                    self.ops[f"{j}to{i}"] = nn.Sequential(*steps)
+
+    def forward(self, xs: list[Tensor]) -> list[Tensor]:
+        out = []
+        for i, y in enumerate(xs):
+            for j, x in enumerate(xs):
+                if j != i:
+                    z = self.ops[f"{j}to{i}"](x)
+                    if j > i:
+                        z = F.interpolate(z, size=y.shape[-2:], mode="nearest")
+                    y = y + z
+            out.append(F.relu(y))
+        return out
+
+
+class MultiBranchNet(nn.Module):
+    """An HRNet-style backbone: parallel branches at three resolutions (``ch``, ``2 ch``,
+    ``4 ch`` channels), exchanged by fuse layers after each of ``stages`` stages, and a
+    low-dimensional readout (global average pooling of every branch, one linear layer).
+
+    Input ``(B, 3, H, W)`` (``H, W`` divisible by 8); output ``(B, outputs)``.
+    """
+
+    def __init__(self, ch: int = 16, outputs: int = 10, stages: int = 3, blocks: int = 2) -> None:
+        super().__init__()
+        chans = [ch, 2 * ch, 4 * ch]
+        self.stem = nn.Conv2d(3, ch, 3, stride=2, padding=1)
+        self.down = nn.ModuleList(
+            nn.Conv2d(chans[k], chans[k + 1], 3, stride=2, padding=1) for k in range(2)
+        )
+        self.branches = nn.ModuleList(
+            nn.ModuleList(_Branch(c, blocks) for c in chans) for _ in range(stages)
+        )
+        self.fuses = nn.ModuleList(_Fuse(chans) for _ in range(stages))
+        self.head = nn.Linear(sum(chans), outputs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.stem(x))
+        xs = [x]
+        for down in self.down:
+            xs.append(F.relu(down(xs[-1])))
+        for branch, fuse in zip(self.branches, self.fuses, strict=True):
+            xs = fuse([b(t) for b, t in zip(branch, xs, strict=True)])
+        return self.head(torch.cat([t.mean((-2, -1)) for t in xs], -1))

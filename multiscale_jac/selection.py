@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from ._checks import check_positive_number
-from ._tuning import one_call
 from .enums import BatchNormPolicy, FisherKind, InputKind, Likelihood, Randomness, Tune
 from .fisher import diag_fisher
 from .subset import ParamSubset
@@ -22,7 +21,6 @@ from .subset import ParamSubset
 __all__ = ["largest_variance"]
 
 
-@one_call
 def largest_variance(
     model: nn.Module,
     data: Iterable[tuple[Any, Any]],

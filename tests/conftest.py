@@ -83,32 +83,33 @@ def smallest_budget(call) -> int:
     return int(re.search(r"estimated minimum of (\d+) bytes", str(err.value)).group(1))
 
 
+def reference_machine():
+    """The machine every test prices routes on (``_calibration.use_machine``): a 2-core x86
+    CPU's calibration (float32), so that a test's expected route depends on neither the
+    machine nor its load (``tests/test_tuning.py`` calibrates the real one)."""
+    from multiscale_jac._calibration import Machine
+
+    return Machine(
+        {
+            "fwd": (5.19e-05, 1.19e-05, 1.80e-06, 2.17e-06),
+            "jvp": (2.74e-04, 1.71e-04, 6.73e-06, 1.88e-05),
+            "vjp": (3.15e-04, 6.14e-05, 9.37e-06, 1.10e-05),
+        },
+        5.31e-12,
+        {"fwd": 2.81e-05, "jvp": 2.39e-04, "vjp": 2.37e-04},
+    )
+
+
 @pytest.fixture(autouse=True)
-def _deterministic_routes():
-    """Route choices in tests follow the cost model alone: ``tune="auto"`` measures nothing
-    (the one switch, :func:`multiscale_jac._tuning.set_auto_measures`; tests of the measuring
-    turn it on with the ``measuring`` fixture or pass ``tune="measure"``), so that a test's
-    expected route does not depend on machine load; every test starts with no decisions."""
-    from multiscale_jac import _tuning
+def _reference_machine():
+    """Every test starts with no decisions and prices routes on :func:`reference_machine`
+    (the default ``tune="auto"`` runs as users run it: the estimate, nothing timed)."""
+    from multiscale_jac import _calibration, _tuning
 
     _tuning.clear()
-    before = _tuning.set_auto_measures(False)
+    before = _calibration.use_machine(reference_machine())
     yield
-    _tuning.set_auto_measures(before)
-
-
-@pytest.fixture
-def measuring(monkeypatch):
-    """``tune="auto"`` measures (the switch on) wherever it has the samples to, on the first
-    call: measuring counts as paying (the rule of :func:`multiscale_jac._tuning.decide` has
-    tests of its own)."""
-    from multiscale_jac import _tuning, engine
-
-    _tuning.set_auto_measures(True)
-    monkeypatch.setattr(_tuning, "PAYS", float("inf"))
-    # the small-job rule times one forward pass: off, so that a job near its threshold
-    # (0.1 s) plans the same way under load (its own test turns it on)
-    monkeypatch.setattr(engine, "SMALL_JOB_S", 0.0)
+    _calibration.use_machine(before)
 
 
 def jacnorm_jobs(monkeypatch) -> list:

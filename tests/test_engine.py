@@ -126,7 +126,7 @@ def test_matches_loop_reference(case_id: str, strategy: str, mode: str, subset_k
         assert auto_notes
         if case.padded_unsupported:
             assert res.strategy == "bucketed"
-            assert re.search(r"'padded' not possible|padded at least", auto_notes[0])
+            assert re.search(r"'padded' not possible|padded at least|a small job", auto_notes[0])
     else:
         assert res.strategy == expected_strategy
     assert res.requested_strategy == strategy and res.requested_mode == mode
@@ -137,7 +137,8 @@ def test_matches_loop_reference(case_id: str, strategy: str, mode: str, subset_k
     else:
         # the cost model's estimate, recorded in the notes (padded: the P < O rule)
         chosen = [re.search(r"chose '(\w+)'", n) for n in res.notes if n.startswith("mode:")]
-        chosen = [c.group(1) for c in chosen if c]
+        small = [re.search(r"a small job .*: mode '(\w+)'", n) for n in res.notes]
+        chosen = [c.group(1) for c in chosen + small if c]
         mean_o = sum(res.output_sizes) / len(res.output_sizes)
         expected_mode = chosen[-1] if chosen else ("fwd" if subset.numel < mean_o else "rev")
         assert chosen or res.strategy == "padded", res.notes
@@ -481,36 +482,44 @@ def test_a_broken_model_raises_its_own_error_without_fallback() -> None:
         mj.per_sample_jacobian(model, batched_tensor(2, (2, 5, 5)))  # a FallbackWarning would fail
 
 
-# the auto choice table: (cost-model constants on CPU, the strategy auto must pick, its note)
+# the auto choice table: (the machine routes are priced on, the strategy auto must pick, its
+# note): where a call's set-up costs everything, padding all samples into one call wins; where
+# flops cost everything, padding's extra work loses before it is planned
 AUTO_TABLE = [
     pytest.param(
-        {"call_s": 10.0, "unit_s": 1e-12, "masked": 1.3},
+        {"op_s": 1e-12, "flop_s": 1e-15, "call_s": 1.0},
         "padded",
         r"estimated bucketed [\d.]+ ms, padded [\d.]+ ms",
         id="call-bound-padded",
     ),
     pytest.param(
-        {"call_s": 1e-3, "unit_s": 1e-12, "masked": 1e9},
+        {"op_s": 1e-12, "flop_s": 1.0, "call_s": 1e-12},
         "bucketed",
         r"padded at least [\d.]+ ms",  # its lower bound already loses: padded is not planned
-        id="masking-expensive-bucketed",
+        id="flop-bound-bucketed",
     ),
 ]
 
 
-@pytest.mark.parametrize(("constants", "expected", "note"), AUTO_TABLE)
+@pytest.mark.parametrize(("machine", "expected", "note"), AUTO_TABLE)
 @pytest.mark.parametrize("case_id", ["fpn_scale_ragged", "bn_cnn_multicrop", "dense_per_pixel"])
-def test_auto_choice_table(monkeypatch, case_id, constants, expected, note) -> None:
-    """Auto follows the cost model, and whatever it picks equals the oracle."""
-    from multiscale_jac import _planning
+def test_auto_choice_table(case_id, machine, expected, note) -> None:
+    """Auto follows the cost model on the machine it prices on, and whatever it picks equals
+    the oracle."""
+    from multiscale_jac import _calibration
 
-    monkeypatch.setitem(
-        _planning.COST_CONSTANTS, "cpu", {**_planning.COST_CONSTANTS["cpu"], **constants}
-    )
+    ops = {p: (machine["op_s"],) * len(_calibration.KINDS) for p in _calibration.PASSES}
+    calls = dict.fromkeys(_calibration.PASSES, machine["call_s"])
+    _calibration.use_machine(_calibration.Machine(ops, machine["flop_s"], calls))  # (conftest)
     case = CASE_BY_ID[case_id]
     subset, ref = zoo_reference(case_id, "names")
     res = mj.per_sample_jacobian(
-        zoo_model(case_id), case.inputs(), params=subset, output_fn=case.output_fn, strict=True
+        zoo_model(case_id),
+        case.inputs(),
+        params=subset,
+        output_fn=case.output_fn,
+        strict=True,
+        entries="generic",  # (not a small job: no choice of strategy there)
     )
     assert res.strategy == expected, res.notes
     auto = [n for n in res.notes if n.startswith("auto:")]

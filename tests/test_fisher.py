@@ -157,15 +157,14 @@ def test_return_loss_is_the_nll_of_the_data(
     torch.testing.assert_close(plain.flat, res.flat, atol=0, rtol=0)
 
 
-def test_return_loss_counts_a_timed_batch_once(measuring, monkeypatch) -> None:
-    """``method="auto"`` times its routes on the first batch: the dropped runs add no loss."""
-    monkeypatch.setattr(mj.fisher, "MIN_TUNE_SAMPLES", 16)  # conftest turns timing off
+def test_return_loss_counts_a_timed_batch_once() -> None:
+    """``tune=True`` times the routes on the first batch: the dropped runs add no loss."""
     mj.clear_plan_cache()
     model = zoo_model("mlp_vectors")
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(20, 5, generator=g, dtype=DTYPE), torch.randint(3, (20,), generator=g)
     data = [(x[:17], y[:17]), (x[17:], y[17:])]
-    res = diag_fisher(model, data, return_loss=True, progress=False)
+    res = diag_fisher(model, data, return_loss=True, progress=False, tune=True)
     assert any(n.startswith("tune: timed") for n in res.notes), res.notes
     ref = torch.nn.functional.cross_entropy(model(x).detach(), y, reduction="sum")
     assert res.loss == pytest.approx(float(ref), rel=1e-12)
@@ -298,22 +297,18 @@ def test_vmap_chunks_keep_per_sample_gradients_under_32_mib(
 
 
 @pytest.mark.parametrize(
-    "tune, probes", [("measure", True), (True, True), ("estimate", False), (False, False)]
+    "tune, probes",
+    [("measure", True), (True, True), ("auto", False), ("estimate", False), (False, False)],
 )
-def test_tune_decides_whether_the_fisher_measures(
-    measuring, monkeypatch, tune, probes: bool
-) -> None:
-    """``tune``: ``measure``/``True`` times the routes on any first batch (here 6 samples, under
-    ``auto``'s 16), ``estimate``/``False`` never, not even with ``auto``'s threshold met; the
-    values are the same either way."""
+def test_tune_decides_whether_the_fisher_measures(tune, probes: bool) -> None:
+    """``tune``: ``measure``/``True`` times the routes on the first batch (here 6 samples),
+    ``auto`` and ``estimate``/``False`` never; the values are the same either way."""
     from multiscale_jac._planning import COUNTS
 
     mj.clear_plan_cache()
     model = zoo_model("mlp_vectors")
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(6, 5, generator=g, dtype=DTYPE), torch.randint(3, (6,), generator=g)
-    if not probes:
-        monkeypatch.setattr(mj.fisher, "MIN_TUNE_SAMPLES", 1)  # auto would time this batch
     before = COUNTS["probe"]
     res = diag_fisher(model, [(x, y)], tune=tune, progress=False)
     assert (COUNTS["probe"] > before) is probes

@@ -420,14 +420,10 @@ def test_functional_variance_fast_is_the_marginal_glm_variance(structure: str) -
 
 
 @pytest.mark.parametrize("structure", ["full", "diag"])
-def test_tune_reaches_the_fit(structure: str, monkeypatch) -> None:
+def test_tune_reaches_the_fit(structure: str) -> None:
     """``tune=True`` measures (the engine's routes, the Fisher's choice), ``False`` never; the
-    curvature is the same. (Every route is shortlisted: the MLP's whole batch runs in one call
-    and its forward route is estimated far slower, so the engine would have nothing to time.)"""
-    from multiscale_jac import engine
+    curvature is the same."""
     from multiscale_jac._planning import COUNTS
-
-    monkeypatch.setattr(engine, "SHORTLIST", float("inf"))
 
     model = mlp(3)
     data = [(torch.randn(6, 4, dtype=DTYPE), torch.tensor([0, 1, 2, 0, 1, 2]))]

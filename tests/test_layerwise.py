@@ -408,17 +408,18 @@ def test_conv_kernels_match_loop(cfg, kernel) -> None:
     mj.clear_plan_cache()
 
 
-def test_conv_kernel_probed_once_per_shape(measuring) -> None:
-    """A convolution large enough is timed (columns against grouped convolutions) on the first
-    call; the second call with the same shapes reuses the choice: no probe."""
+def test_conv_kernel_probed_once_per_shape() -> None:
+    """Under ``tune=True`` a convolution large enough is timed (columns against grouped
+    convolutions) on the first call; the second call with the same shapes reuses the choice:
+    no probe."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16, 3))
     data = [(torch.randn(6, 8, 4, 4), torch.randint(3, (6,)))]
     mj.clear_plan_cache()
     with mock.patch.object(layerwise, "PROBE_MIN_FLOPS", 0.0):
-        first = diag_fisher(model, data, progress=False, method="layerwise")
+        first = diag_fisher(model, data, progress=False, method="layerwise", tune=True)
         probed = mj.plan_cache_info().probed
-        second = diag_fisher(model, data, progress=False, method="layerwise")
+        second = diag_fisher(model, data, progress=False, method="layerwise", tune=True)
     assert probed >= 1  # timed (candidates within twice the fastest warm-up run twice)
     assert mj.plan_cache_info().probed == probed
     torch.testing.assert_close(first.flat, second.flat, rtol=1e-5, atol=0)

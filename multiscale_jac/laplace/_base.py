@@ -27,7 +27,6 @@ from .._checks import (
     prepare,
 )
 from .._likelihood import output_dim
-from .._tuning import call_scope
 from ..enums import (
     ArgumentTypeError,
     BatchNormPolicy,
@@ -58,12 +57,11 @@ REWARD_MODELING = "reward_modeling"
 
 
 def fitting(fit: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks a class's ``fit``: it runs under :meth:`LaplaceBase._fitting`, as one public call
-    (:func:`~multiscale_jac._tuning.call_scope`: its chunks meet a deferred decision once)."""
+    """Marks a class's ``fit``: it runs under :meth:`LaplaceBase._fitting`."""
 
     @functools.wraps(fit)
     def run(self: LaplaceBase, *args: Any, **kwargs: Any) -> Any:
-        with self._fitting(), call_scope():
+        with self._fitting():
             return fit(self, *args, **kwargs)
 
     return run

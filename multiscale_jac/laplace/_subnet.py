@@ -46,7 +46,7 @@ class SubnetLaplace(SubsetCurvature, Predictive, MarginalLikelihood, Saving):
         tune: How the engine's ``auto`` choices are made (:class:`~multiscale_jac.Tune`:
             ``auto``, ``measure`` or ``True``, ``estimate`` or ``False``; for
             :class:`DiagLaplace` also :func:`~multiscale_jac.diag_fisher`'s choice; K-FAC's
-            fit times nothing).
+            fit times nothing; nothing is timed unless ``True``).
         enable_backprop: The predictive (``la(x)``, :meth:`predictive`,
             :meth:`functional_samples`) keeps its graph to inputs that require grad, so its
             mean and variance can be differentiated w.r.t. them (laplace-torch's option; its
