@@ -127,7 +127,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_leaves
 
 import multiscale_jac as mj
-from multiscale_jac.models import ConvBlock, SharedHeadFPN, TinyFPN
+from multiscale_jac.models import ConvBlock, MultiBranchNet, SharedHeadFPN, TinyFPN
 
 SCRIPT = Path(__file__).resolve()
 sys.path.insert(0, str(SCRIPT.parents[1] / "tests"))  # the zoo's BiFPN: one definition
@@ -298,6 +298,13 @@ SPECS: dict[str, ModelSpec] = {
         ModelSpec("gelu_cnn", GeluCNN, "image", "new: 4-conv GELU CNN, average pooling"),
         ModelSpec("gn_dw", GroupNormDepthwise, "image", "new: stem + 2 GroupNorm/depthwise blocks"),
         ModelSpec("transformer", TinyTransformer, "tokens", "new: 2-block transformer, 16 tokens"),
+        ModelSpec(
+            "multibranch",
+            lambda c: MultiBranchNet(ch=16, outputs=c).eval(),
+            "image",
+            "new: HRNet-style backbone (models.MultiBranchNet: 3 branches, 3 fuse stages), "
+            "a 10-class readout",
+        ),
         *(
             ModelSpec(
                 f"cifarnet{w}",
@@ -1105,7 +1112,10 @@ def library(tune: Any = None, **kw: Any) -> Prepare:
                 info = {k: str(getattr(res, k, None)) for k in ("strategy", "mode", "fallback")}
                 info["chosen"] = {"strategy": str(res.strategy), "mode": str(res.mode)}
                 info["chosen"].update(_route_of(res))
-                info["notes"] = [str(n)[:200] for n in list(getattr(res, "notes", ()) or ())[:6]]
+                notes = [str(n) for n in getattr(res, "notes", ()) or ()]
+                info["notes"] = [n[:200] for n in notes[:6]]
+                priced = [re.search(r"^plan: \S+ estimated ([\d.e+-]+) ms", n) for n in notes]
+                info["estimate_s"] = next((float(m[1]) / 1e3 for m in priced if m), None)
             elif w == "fisher":
                 res = mj.diag_fisher(model, [(batch.inputs, batch.targets)], **opts)
                 plan = {str(v) for v in (res.plan or {}).values()}
@@ -1738,7 +1748,9 @@ def _main_cells(quick: bool) -> list[Spot]:
 
 
 def _choice(quick: bool) -> list[Spot]:
-    return [dataclasses.replace(s, methods=("library_*",)) for s in _main_cells(quick)]
+    extra = [Spot("subset", "multibranch", k=36)]  # a few dozen entries, a low-dim readout
+    cells = [*_main_cells(quick), *([] if quick else extra)]
+    return [dataclasses.replace(s, methods=("library_*",)) for s in cells]
 
 
 def _batch(quick: bool) -> list[Spot]:

@@ -151,10 +151,9 @@ def _memory_pair(c: dict[str, Any]) -> str:
 
 
 def choice_table(results: dict[str, Any]) -> str:
-    """auto against the fastest forced route per cell: the choice family's cell where one was
-    measured, else the main family's (both time auto and every forced route); with auto's
-    peak memory against the route it ran forced with ``tune=False``, where both were
-    measured."""
+    """auto (the cost model's choice: nothing timed) against the fastest forced route per
+    cell: the choice family's cell where one was measured, else the main family's (both time
+    auto and every forced route)."""
     chosen = {c["name"]: c for c in cells(results, "main")}
     chosen.update({c["name"]: c for c in cells(results, "choice")})
     rows = [
@@ -164,23 +163,64 @@ def choice_table(results: dict[str, Any]) -> str:
             route(c.get("best_route")),
             secs(c.get("best_route_seconds")),
             num(c.get("auto_over_best_route")),
-            _memory_pair(c),
             c.get("run"),
         ]
         for c in chosen.values()
     ]
     ratios = [c["auto_over_best_route"] for c in chosen.values() if c.get("auto_over_best_route")]
-    head = ["cell", "auto s", "fastest forced route", "route s", "auto / route"]
-    head += ["memory: auto / forced", "run"]
+    head = ["cell", "auto s", "fastest forced route", "route s", "auto / route", "run"]
     fams = sorted({c["family"] for c in chosen.values()})
     summary = (
-        f"{len(ratios)} cells of the {' and '.join(f'`{f}`' for f in fams)} grids; auto / the "
-        f"fastest forced route: median {num(median(ratios))}, largest {num(max(ratios))}; "
-        "memory: auto's peak memory, its timing included, over the route it ran (strategy, "
-        "mode, entries and samples per call, or method and chunk) forced with `tune=False` "
-        "(from run 16 on: medians of 3 pairs of fresh processes, each after the same warm-up)."
+        f"{len(ratios)} cells of the {' and '.join(f'`{f}`' for f in fams)} grids; auto (the "
+        f"estimate) / the fastest forced route: median {num(median(ratios))}, largest "
+        f"{num(max(ratios))}."
         if ratios
         else "No cells measured."
+    )
+    return table(head, rows) + "\n\n" + summary
+
+
+def _priced(c: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """``(route, estimated s, measured s)`` of every forced route of an engine cell whose
+    result noted the cost model's price."""
+    found = []
+    for name, r in c.get("methods", {}).items():
+        est = (r.get("library") or {}).get("estimate_s")
+        if name.startswith("library_") and name != "library_auto" and est and r.get("seconds"):
+            found.append((route(name), float(est), float(r["seconds"])))
+    return found
+
+
+def estimate_error_table(results: dict[str, Any]) -> str:
+    """The cost model's error: per cell of the choice grid, every forced route's estimated
+    seconds (noted by the engine) against its measured seconds."""
+    rows, ratios = [], []
+    for c in cells(results, "choice"):
+        priced = _priced(c)
+        if not priced:
+            continue
+        off = [t / e for _, e, t in priced]
+        ratios += off
+        pick = min(priced, key=lambda p: p[1])
+        fastest = min(priced, key=lambda p: p[2])
+        rows.append(
+            [
+                c["name"],
+                len(priced),
+                num(median(off)),
+                f"{num(min(off))}-{num(max(off))}",
+                pick[0],
+                fastest[0],
+                num(pick[2] / fastest[2]),
+            ]
+        )
+    head = ["cell", "routes", "measured / estimated: median", "range", "cheapest estimated"]
+    head += ["fastest measured", "its time / fastest"]
+    summary = (
+        f"{len(ratios)} routes in {len(rows)} cells; measured / estimated seconds: median "
+        f"{num(median(ratios))}, from {num(min(ratios))} to {num(max(ratios))}."
+        if ratios
+        else "No priced routes measured."
     )
     return table(head, rows) + "\n\n" + summary
 
@@ -531,6 +571,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "runs": runs_page,
     "main": lambda r: main_table(r, routes=False),
     "choice": choice_table,
+    "choice-error": estimate_error_table,
     "batch-fisher": lambda r: measured("batch")(methods_table)(r, "batch", "n", "fisher"),
     "batch-jacnorm": lambda r: measured("batch")(methods_table)(r, "batch", "n", "jacnorm"),
     "entries": lambda r: measured("entries")(methods_table)(r, "entries", "k"),
@@ -552,7 +593,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
 #: the report's section per named grid
 SECTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
     "main": lambda r: main_table(r, "main", notes=True),
-    "choice": choice_table,
+    "choice": lambda r: choice_table(r) + "\n\n" + estimate_error_table(r),
     "batch": lambda r: methods_table(r, "batch", "n"),
     "entries": FIGURES["entries"],
     "dense": dense_table,

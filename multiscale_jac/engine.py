@@ -44,6 +44,7 @@ from ._planning import (
     first_line,
     loop_decision,
     plan_key,
+    plan_seconds,
     plan_strategy,
     replay,
     span_tensor,
@@ -512,6 +513,11 @@ class _EngineRun(_RouteTiming):
                 "inner_chunk_size": min(inner) if inner else None,
                 "structured": structured,
             }
+            if self.cached is None:  # the cost model's price of the route that ran
+                self.notes.append(
+                    f"plan: {ran.value}/{plan.mode.value} estimated "
+                    f"{plan_seconds(plan) * 1e3:.3g} ms on this machine"
+                )
             if self.cached is None and not self.fallbacks:
                 PLAN_CACHE.put(self.fn.model, self.key, decision(plan, structured, self.notes))
             return self.result(jac, outputs, plan.sizes, ran, plan.mode, **extra)
