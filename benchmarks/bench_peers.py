@@ -1816,7 +1816,7 @@ FAMILIES: dict[str, tuple[str, Callable[[bool], list[Spot]]]] = {
 }
 #: first_call: the code a user would write instead, per workload
 USER_CODE = {"fisher": "vmap_chunks", "jacnorm": "vmap_double_bwd"}
-FIRST_TARGETS = {"first": 1.25, "loaded": 1.2, "rss": 1.2, "budget": 1.0}
+FIRST_TARGETS = {"first": 1.25, "second": 1.2, "loaded": 1.2, "rss": 1.2, "budget": 1.0}
 #: first_call: the ``memory_budget`` of the roles ``budget`` (the batch) and ``overhead`` (its
 #: first sample alone: the process's fixed overhead, what any first call adds to its job)
 FIRST_BUDGET = 20_000_000  # issue 27's Laplace fit rose 137 MiB under this budget
@@ -2050,6 +2050,7 @@ def role_worker(args: argparse.Namespace) -> int:
             {k: v - before[k] for k, v in _counters().items()},
         )
         second, _ = timed_call(lambda: run(batch), args.device, args.threads)
+        rec["second_seconds"] = second
         warm = timer_median(
             lambda: run(batch),
             threads=args.threads,
@@ -2069,7 +2070,7 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 ROLES = ("library", "user", "estimate", "loaded", "budget", "overhead")
 #: a first-call role's figures that are medians over the rounds
-ROLE_MEDIANS = ("first_seconds", "warm_seconds", "peak_memory_bytes")
+ROLE_MEDIANS = ("first_seconds", "second_seconds", "warm_seconds", "peak_memory_bytes")
 
 
 def _median_role(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -2120,6 +2121,7 @@ def run_roles(spot: Spot, args: argparse.Namespace) -> dict[str, Any]:
         allowance = FIRST_TARGETS["loaded"] * loaded["warm_seconds"] + one_time
     rec["ratios"] = ratios = {
         "first": _div(lib.get("first_seconds"), user.get("first_seconds")),
+        "second": _div(lib.get("second_seconds"), lib.get("warm_seconds")),
         "warm": _div(lib.get("warm_seconds"), user.get("warm_seconds")),
         "loaded": _div(loaded.get("first_seconds"), allowance),
         "rss": _div(lib.get("peak_memory_bytes"), est.get("peak_memory_bytes")),

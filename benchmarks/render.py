@@ -302,6 +302,7 @@ def first_call_table(results: dict[str, Any]) -> str:
                 secs(lib.get("first_seconds")),
                 secs(user.get("first_seconds")),
                 num(ratio.get("first")),
+                num(ratio.get("second")),
                 num(ratio.get("warm")),
                 num(ratio.get("loaded")),
                 num(ratio.get("rss")),
@@ -311,7 +312,8 @@ def first_call_table(results: dict[str, Any]) -> str:
                 ", ".join(c.get("over_target", [])) or "-",
             ]
         )
-    head = ["cell", "auto first s", "user first s", "first / user first", "warm / user warm"]
+    head = ["cell", "auto first s", "user first s", "first / user first", "second / warm"]
+    head += ["warm / user warm"]
     budget = "(budgeted - overhead) / budget"
     head += ["loaded / allowance", "RSS / tune=False", "budgeted RSS", "overhead", budget]
     return table([*head, "over target"], rows)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -73,11 +74,13 @@ def _kind(func: Any) -> str:
 
 @dataclass(frozen=True)
 class Work:
-    """What one pass of one sample does: ops dispatched per kind (:data:`KINDS`) and flops
-    (convolutions and matrix products, :mod:`torch.utils.flop_counter`'s count)."""
+    """What one pass of one sample does: ops dispatched per kind (:data:`KINDS`), flops
+    (convolutions and matrix products, :mod:`torch.utils.flop_counter`'s count) and elements
+    written (the outputs of every op but views)."""
 
     ops: tuple[int, ...] = (0, 0, 0, 0)
     flops: int = 0
+    elems: int = 0
 
     @property
     def count(self) -> int:
@@ -92,12 +95,15 @@ class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
-        self.flops = 0
+        self.flops = self.elems = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops[_kind(func)] += 1
+        kind = _kind(func)
+        self.ops[kind] += 1
+        if kind != "view":
+            self.elems += sum(t.numel() for t in _tensors(out))
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             with contextlib.suppress(Exception):  # a count it cannot make is not work we miss
@@ -105,24 +111,33 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
 def count_work(run: Callable[[], Any]) -> tuple[Any, Work]:
     """``run()``'s result and the :class:`Work` it dispatched."""
     counter = _Counter()
     with counter:
         out = run()
-    return out, Work(tuple(counter.ops[k] for k in KINDS), counter.flops)
+    return out, Work(tuple(counter.ops[k] for k in KINDS), counter.flops, counter.elems)
 
 
 @dataclass(frozen=True)
 class Machine:
     """Seconds per op of each kind in each pass (``op_s[pass]``, per :data:`KINDS`) of a
-    vectorised call, seconds per flop, and the fixed seconds of one vectorised call in each
-    pass (``call_s[pass]``: the transforms' set-up), on one device, dtype and thread
-    count."""
+    vectorised call, seconds per flop, the fixed seconds of one vectorised call in each pass
+    (``call_s[pass]``: the transforms' set-up), and seconds per element an elementwise op
+    writes (``elem_s``: memory traffic), on one device, dtype and thread count."""
 
     op_s: dict[str, tuple[float, ...]]
     flop_s: float
     call_s: dict[str, float]
+    elem_s: float = 0.0
 
     def overhead(self, work: Work, kind: str) -> float:
         """Seconds of one vectorised call of a ``kind`` pass over ``work``'s ops: its set-up
@@ -131,8 +146,13 @@ class Machine:
             n * s for n, s in zip(work.ops, self.op_s[kind], strict=True)
         )
 
-    def flop_seconds(self, flops: float) -> float:
-        return flops * self.flop_s
+    def work_seconds(self, flops: float, elems: float) -> float:
+        """Seconds of ``flops`` and of writing ``elems`` elements."""
+        return flops * self.flop_s + elems * self.elem_s
+
+    def pass_seconds(self, work: Work, times: float = 1.0) -> float:
+        """Seconds of ``times`` times ``work``'s flops and elements."""
+        return times * self.work_seconds(work.flops, work.elems)
 
 
 #: an op kind's chain: what one link does to ``x`` (the tangent flows through every link)
@@ -170,7 +190,8 @@ def measure_machine(
 ) -> Machine:
     """Measure :class:`Machine` here: each op kind's chain at two lengths in each pass,
     vectorised over two samples of small tensors (the slope is the ops' dispatch, the rest a
-    call's set-up), and one convolution of about 150 MFLOP (the flop rate)."""
+    call's set-up), one convolution of about 150 MFLOP (the flop rate) and an elementwise
+    pass over 4M elements (the rate elements are written)."""
     device = torch.device(device)
     devices = [device]
     g = torch.Generator().manual_seed(0)
@@ -199,10 +220,12 @@ def measure_machine(
     big = torch.randn(8, 32, 32, 32, generator=g).to(device, dtype)
     kernel = torch.randn(32, 32, 3, 3, generator=g).to(device, dtype)
     flops = 2 * big.numel() * kernel[0].numel()  # out channels = in channels
+    wide = torch.randn(2**22, generator=g).to(device, dtype)
     with torch.no_grad():
         conv = _best(lambda: F.conv2d(big, kernel, padding=1), devices)
+        elem = _best(lambda: torch.relu(wide) + wide, devices) / (2 * wide.numel())
     calls = {p: sum(v) / len(v) for p, v in call_s.items()}
-    return Machine({p: tuple(v) for p, v in op_s.items()}, conv / flops, calls)
+    return Machine({p: tuple(v) for p, v in op_s.items()}, conv / flops, calls, elem)
 
 
 _MACHINES: dict[tuple[Any, ...], Machine] = {}
@@ -248,15 +271,25 @@ def _stored() -> dict[str, Any]:
     return {}
 
 
-def _keep(key: tuple[Any, ...], found: Machine) -> None:
-    """``found`` for ``key``: in the process, and in :func:`cache_path` where there is one
-    (a file that cannot be written is left alone: the process keeps it)."""
+def _busy() -> bool:
+    """Whether other work kept the CPU busy (the load average over the last minute above
+    half its cores): a calibration then says more about the load than about the machine."""
+    try:
+        return os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1)
+    except OSError:  # (no load average on this platform)
+        return False
+
+
+def _keep(key: tuple[Any, ...], found: Machine, busy: bool) -> None:
+    """``found`` for ``key``: in the process, and in :func:`cache_path` where there is one,
+    unless the machine was ``busy`` while it was measured (the next process measures again;
+    a file that cannot be written is left alone: the process keeps it)."""
     _MACHINES[key] = found
     path = cache_path()
-    if path is None:
+    if path is None or busy:
         return
     stored = _stored()
-    stored[repr(key)] = {"op_s": found.op_s, "flop_s": found.flop_s, "call_s": found.call_s}
+    stored[repr(key)] = dataclasses.asdict(found)
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -268,8 +301,9 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     """Measure this machine for ``device`` and ``dtype`` now (:func:`measure_machine`) and
     keep the result for later calls (in the process and in :func:`cache_path`), replacing
     what was kept: for a machine whose load or settings changed."""
+    busy = _busy()  # (before measuring: the calibration's own load is not other work)
     found = measure_machine(device, dtype)
-    _keep(_key(torch.device(device), dtype), found)
+    _keep(_key(torch.device(device), dtype), found, busy)
     return found
 
 
@@ -287,7 +321,8 @@ def machine(device: torch.device, dtype: torch.dtype) -> Machine:
     try:
         op_s = {p: tuple(float(v) for v in entry["op_s"][p]) for p in PASSES}  # type: ignore[index]
         calls = {p: float(entry["call_s"][p]) for p in PASSES}  # type: ignore[index]
-        _MACHINES[key] = Machine(op_s, float(entry["flop_s"]), calls)  # type: ignore[index]
+        elem = float(entry["elem_s"])  # type: ignore[index]
+        _MACHINES[key] = Machine(op_s, float(entry["flop_s"]), calls, elem)  # type: ignore[index]
     except (TypeError, KeyError, ValueError):
         return calibrate(device, dtype)
     return _MACHINES[key]

@@ -274,12 +274,15 @@ def estimate_seconds(
     """Expected time of running every group ``(samples, samples per call, footprint)`` as
     ``plan`` does (its mode, P, device, dtype and forward passes per call), priced on this
     machine (:func:`~multiscale_jac._calibration.machine`) from the work one sample's forward
-    pass dispatched (``W``, its ops; ``F``, its flops):
+    pass dispatched (``W``: its ops, flops and elements written):
 
-    - ``rev``: ``calls * (call_s(W, fwd) + call_s(W, vjp)) + samples * F * (1 + 2 O) * flop_s``
-    - ``fwd``: ``calls * passes * call_s(W, jvp) + samples * F * (passes + P) * flop_s``
+    - ``rev``: ``calls * (call_s(W, fwd) + call_s(W, vjp)) + samples * (1 + 2 O) * work_s(W)``
+    - ``fwd``: ``calls * passes * call_s(W, jvp) + samples * (passes + P) * work_s(W)``
 
-    where ``call_s(W, pass)`` is a vectorised call's set-up and its ops' dispatch.
+    where ``call_s(W, pass)`` is a vectorised call's set-up and its ops' dispatch and
+    ``work_s(W)`` its flops and elements at the machine's rates (a row's backward pass about
+    twice the forward's work, a tangent at most once); plus writing the ``(O, P)`` result of
+    every sample.
 
     A padded group's work is its masked pass's (the masking ops counted), so ``padded``
     needs no factor of its own."""
@@ -288,13 +291,14 @@ def estimate_seconds(
     total = 0.0
     for samples, per_call, fp in groups:
         calls, w = -(-samples // per_call), fp.work
+        total += samples * fp.outputs * plan.numel * m.elem_s  # the result's entries
         if plan.mode is Mode.REV:
             total += calls * (m.overhead(w, "fwd") + m.overhead(w, "vjp"))
-            total += m.flop_seconds(samples * w.flops * (1 + 2 * fp.outputs))
+            total += m.pass_seconds(w, samples * (1 + 2 * fp.outputs))
         else:
             passes = len(plan.spans)
             total += calls * passes * m.overhead(w, "jvp")
-            total += m.flop_seconds(samples * w.flops * (passes + plan.numel))
+            total += m.pass_seconds(w, samples * (passes + plan.numel))
     return total
 
 
@@ -371,29 +375,38 @@ def choose_mode(
     by the cost model of ``docs/entries.md`` on the :func:`survey`'s per-tangent work.
 
     Returns the mode, the structured tensors (in fwd: those whose structured work, times
-    ``structured_factor``, is lower; in rev: :func:`rev_structured`; the caller keeps weight
-    entries) and the estimates in seconds (keys ``fwd``, ``rev``).
+    ``structured_factor``, is lower and of which at most a quarter is selected: on tensors
+    selected whole, structured forward entries ran 1.2-3.7x slower than generic ones; in rev:
+    :func:`rev_structured`; the caller keeps weight entries) and the estimates in seconds
+    (keys ``fwd``, ``rev``).
     """
-    slow = PRICING["structured_factor"]
-    use = {
+    slow, sizes = PRICING["structured_factor"], tensor_numel or {}
+    use = {  # (a tensor selected whole or densely: its generic tangents run faster)
         n: ec.structured is not None
         and entries is not Entries.GENERIC
-        and (entries is Entries.STRUCTURED or slow * ec.structured < ec.generic)
+        and (
+            entries is Entries.STRUCTURED
+            or (slow * ec.structured < ec.generic and numel[n] * 4 <= sizes.get(n, 0))
+        )
         for n, ec in costs.items()
     }
-    # multiply-adds of the tangents (fwd) and of the rows' backward passes (rev), in flops
-    fwd_work = 2 * sum(
-        numel[n] * ((slow * ec.structured if use[n] else ec.generic) + outputs)  # type: ignore[operator]
-        for n, ec in costs.items()
-    )
-    dense = max((ec.generic for ec in costs.values()), default=0)
-    rev_work = 2 * outputs * (2 * dense + sum(numel.values()))
     m, passes = machine(device, dtype), len(costs)
+
+    def tangent(ec: EntryCost, structured: bool) -> float:
+        """One tangent's work (multiply-adds, as flops) and the elements it writes."""
+        if structured:
+            return slow * m.work_seconds(2 * ec.structured, ec.structured_elems or 0)  # type: ignore[operator]
+        return m.work_seconds(2 * ec.generic, ec.generic_elems or 0)
+
+    fwd_work = sum(numel[n] * (tangent(ec, use[n]) + outputs * m.elem_s) for n, ec in costs.items())
+    # a row's backward: about twice the generic tangent's work of the earliest selected tensor
+    dense = max((tangent(ec, False) for ec in costs.values()), default=0.0)
+    rev_work = outputs * (2 * dense + sum(numel.values()) * m.elem_s)
     est = {  # every fwd pass (one a selected tensor) runs the primal forward pass again
         "fwd": calls * passes * m.overhead(work, "jvp")
-        + m.flop_seconds(samples * (passes * work.flops + fwd_work)),
+        + samples * (m.pass_seconds(work, passes) + fwd_work),
         "rev": calls * (m.overhead(work, "fwd") + m.overhead(work, "vjp"))
-        + m.flop_seconds(samples * (work.flops + rev_work)),
+        + samples * (m.pass_seconds(work) + rev_work),
     }
     if mode is Mode.AUTO:
         mode = Mode.FWD if est["fwd"] <= est["rev"] else Mode.REV

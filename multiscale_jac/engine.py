@@ -419,7 +419,7 @@ class _EngineRun(_RouteTiming):
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             out, work = count_work(lambda: self.fn.call(self.fn.params, levels))
         m = machine(self.fn.device, self.fn.values()[0].dtype)
-        once = m.overhead(work, "fwd") + m.flop_seconds(work.flops)
+        once = m.overhead(work, "fwd") + m.pass_seconds(work)
         rows = out.numel()
         loop = once * len(self.packed) * (1 + 2 * rows)
         if loop >= SMALL_JOB_S:

@@ -377,7 +377,8 @@ def test_freed_memory_is_released_after_every_timed_run(fake_clock, monkeypatch)
 # ---------------------------------------------------------------------- the machine, calibrated
 def test_work_counts_ops_by_kind_and_flops() -> None:
     """One linear layer on one sample: a matrix product of 2 x 4 x 3 flops (bias included in
-    the product's op), counted as dense; a ReLU after it: another kind."""
+    the product's op), counted as dense; a ReLU after it: another kind; 3 elements written
+    by each."""
     from multiscale_jac import _calibration
 
     lin = nn.Linear(4, 3)
@@ -386,23 +387,27 @@ def test_work_counts_ops_by_kind_and_flops() -> None:
     kinds = dict(zip(_calibration.KINDS, work.ops))
     assert out.shape == (1, 3) and work.flops == 2 * 4 * 3
     assert kinds["dense"] == 1 and kinds["other"] >= 1 and kinds["norm"] == 0
+    assert work.elems == 3 * (kinds["dense"] + kinds["other"])
 
 
 def test_the_machine_is_calibrated_once_and_kept_in_a_file(tmp_path, monkeypatch) -> None:
     """Unfixed, the first price calibrates this machine (every cost positive and finite) and
     writes it under ``MULTISCALE_JAC_CACHE_DIR``, keyed with the library and torch versions;
     a later process (the in-process copy dropped) reads the file instead of measuring; a file
-    it cannot read is measured over; ``off`` writes nothing."""
+    it cannot read is measured over; ``off`` writes nothing, nor does a calibration made while
+    the machine was busy."""
     from multiscale_jac import __version__, _calibration
 
     monkeypatch.setenv(_calibration.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(_calibration, "_MACHINES", {})
+    monkeypatch.setattr(_calibration, "_busy", lambda: False)
     before = _calibration.use_machine(None)
     try:
         first = _calibration.machine(torch.device("cpu"), torch.float32)
-        values = [first.flop_s, *first.call_s.values()]
+        values = [first.flop_s, first.elem_s, *first.call_s.values()]
         values += [v for p in _calibration.PASSES for v in first.op_s[p]]
-        assert all(0 <= v < 1 and math.isfinite(v) for v in values) and first.flop_s > 0
+        assert all(0 <= v < 1 and math.isfinite(v) for v in values)
+        assert first.flop_s > 0 and first.elem_s > 0
         stored = json.loads((tmp_path / "machine.json").read_text())
         (key,) = stored
         assert __version__ in key and torch.__version__ in key
@@ -420,6 +425,12 @@ def test_the_machine_is_calibrated_once_and_kept_in_a_file(tmp_path, monkeypatch
         assert _calibration.cache_path() is None
         _calibration.machine(torch.device("cpu"), torch.float32)
         assert not off.exists()
+        busy = tmp_path / "busy"
+        monkeypatch.setenv(_calibration.CACHE_ENV, str(busy))
+        monkeypatch.setattr(_calibration, "_MACHINES", {})
+        monkeypatch.setattr(_calibration, "_busy", lambda: True)
+        assert _calibration.machine(torch.device("cpu"), torch.float32) == first  # kept here
+        assert not (busy / "machine.json").exists()
     finally:
         _calibration.use_machine(before)
 
