@@ -271,22 +271,12 @@ def _stored() -> dict[str, Any]:
     return {}
 
 
-def _busy() -> bool:
-    """Whether other work kept the CPU busy (the load average over the last minute above
-    half its cores): a calibration then says more about the load than about the machine."""
-    try:
-        return os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1)
-    except OSError:  # (no load average on this platform)
-        return False
-
-
-def _keep(key: tuple[Any, ...], found: Machine, busy: bool) -> None:
-    """``found`` for ``key``: in the process, and in :func:`cache_path` where there is one,
-    unless the machine was ``busy`` while it was measured (the next process measures again;
-    a file that cannot be written is left alone: the process keeps it)."""
+def _keep(key: tuple[Any, ...], found: Machine) -> None:
+    """``found`` for ``key``: in the process, and in :func:`cache_path` where there is one
+    (a file that cannot be written is left alone: the process keeps it)."""
     _MACHINES[key] = found
     path = cache_path()
-    if path is None or busy:
+    if path is None:
         return
     stored = _stored()
     stored[repr(key)] = dataclasses.asdict(found)
@@ -301,9 +291,8 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
     """Measure this machine for ``device`` and ``dtype`` now (:func:`measure_machine`) and
     keep the result for later calls (in the process and in :func:`cache_path`), replacing
     what was kept: for a machine whose load or settings changed."""
-    busy = _busy()  # (before measuring: the calibration's own load is not other work)
     found = measure_machine(device, dtype)
-    _keep(_key(torch.device(device), dtype), found, busy)
+    _keep(_key(torch.device(device), dtype), found)
     return found
 
 
