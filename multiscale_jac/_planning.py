@@ -368,28 +368,23 @@ def choose_mode(
     device: torch.device,
     tensor_numel: dict[str, int] | None = None,
     work: Work = NO_WORK,
-    calls: int = 1,
+    calls: dict[str, int] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Mode, tuple[str, ...], dict[str, float]]:
     """Pick ``rev``/``fwd`` (when ``mode`` is ``auto``) and the tensors that run structured,
-    by the cost model of ``docs/entries.md`` on the :func:`survey`'s per-tangent work.
+    by the cost model of ``docs/entries.md`` on the :func:`survey`'s per-tangent work, the
+    forward pass's ``work`` (ops, flops and elements of one sample) and each mode's
+    vectorised ``calls`` (default: one a selected tensor in fwd, one in rev), priced on this
+    machine (:func:`~multiscale_jac._calibration.machine`).
 
-    Returns the mode, the structured tensors (in fwd: those whose structured work, times
-    ``structured_factor``, is lower and of which at most a quarter is selected: on tensors
+    Returns the mode, the structured tensors (in fwd: those whose structured tangent, priced
+    at ``structured_factor`` times its work and elements, is cheaper, and of which at most a
+    quarter is selected: on tensors
     selected whole, structured forward entries ran 1.2-3.7x slower than generic ones; in rev:
     :func:`rev_structured`; the caller keeps weight entries) and the estimates in seconds
     (keys ``fwd``, ``rev``).
     """
     slow, sizes = PRICING["structured_factor"], tensor_numel or {}
-    use = {  # (a tensor selected whole or densely: its generic tangents run faster)
-        n: ec.structured is not None
-        and entries is not Entries.GENERIC
-        and (
-            entries is Entries.STRUCTURED
-            or (slow * ec.structured < ec.generic and numel[n] * 4 <= sizes.get(n, 0))
-        )
-        for n, ec in costs.items()
-    }
     m, passes = machine(device, dtype), len(costs)
 
     def tangent(ec: EntryCost, structured: bool) -> float:
@@ -398,14 +393,25 @@ def choose_mode(
             return slow * m.work_seconds(2 * ec.structured, ec.structured_elems or 0)  # type: ignore[operator]
         return m.work_seconds(2 * ec.generic, ec.generic_elems or 0)
 
+    use = {  # (a tensor selected whole or densely: its generic tangents run faster)
+        n: ec.structured is not None
+        and entries is not Entries.GENERIC
+        and (
+            entries is Entries.STRUCTURED
+            or (tangent(ec, True) < tangent(ec, False) and numel[n] * 4 <= sizes.get(n, 0))
+        )
+        for n, ec in costs.items()
+    }
+
     fwd_work = sum(numel[n] * (tangent(ec, use[n]) + outputs * m.elem_s) for n, ec in costs.items())
     # a row's backward: about twice the generic tangent's work of the earliest selected tensor
     dense = max((tangent(ec, False) for ec in costs.values()), default=0.0)
     rev_work = outputs * (2 * dense + sum(numel.values()) * m.elem_s)
+    calls = calls or {"fwd": passes, "rev": 1}
     est = {  # every fwd pass (one a selected tensor) runs the primal forward pass again
-        "fwd": calls * passes * m.overhead(work, "jvp")
+        "fwd": calls["fwd"] * m.overhead(work, "jvp")
         + samples * (m.pass_seconds(work, passes) + fwd_work),
-        "rev": calls * (m.overhead(work, "fwd") + m.overhead(work, "vjp"))
+        "rev": calls["rev"] * (m.overhead(work, "fwd") + m.overhead(work, "vjp"))
         + samples * (m.pass_seconds(work) + rev_work),
     }
     if mode is Mode.AUTO:
@@ -639,7 +645,7 @@ def _pick_mode(
         device=device,
         tensor_numel=tensor_numel,
         work=measured[0].footprint.work,
-        calls=len(measured),
+        calls={m.value: _calls(fn, measured, m, costs, options) for m in (Mode.FWD, Mode.REV)},
         dtype=fn.values()[0].dtype,
     )
     if chosen is Mode.REV:
@@ -658,6 +664,25 @@ def _pick_mode(
             if name not in structured and name in entry_names(fn)
         )
     return chosen, structured, costs
+
+
+def _calls(
+    fn: PerSampleFunction,
+    measured: list[Group],
+    mode: Mode,
+    costs: dict[str, EntryCost],
+    options: EngineOptions,
+) -> int:
+    """The vectorised calls a plan of ``mode`` makes without a budget (generic entries; in fwd
+    one set a tangent span): the memory model's samples per call, which a wide reverse step
+    can bring down to one."""
+    spans = tangent_groups(fn.subset, mode, options.randomness)
+    like = fn.values()[0]
+    return sum(
+        -(-len(g.indices) // plan_chunks(g, mode, step, options.chunk_size, None, like).samples)
+        for step in _steps(fn, measured, mode, spans, (), costs, False)
+        for g in measured
+    )
 
 
 def _steps(
