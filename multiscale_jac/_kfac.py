@@ -691,7 +691,7 @@ class _KronRun:
             return opts.chunk, DEFAULT_TEMP_BYTES
         itemsize = self.layers[0].a.element_size()
         kept = kfac_kept(sum(la.a.numel() + la.g.numel() for la in self.layers), itemsize)
-        fp = measure(fn, fn.values(), tuple(packed.sample(packed.largest_sample)))
+        fp = measure(fn, fn.values(), tuple(packed.sample(packed.largest_sample)), count=False)
         one = kfac_sample(fp.activations)
         fit = fit_budget(
             opts.memory_budget,

@@ -124,11 +124,17 @@ _UNMEASURED = Footprint(0, 0, 0)
 
 
 def measure(
-    fn: PerSampleFunction, values: tuple[Tensor, ...], levels: tuple[Tensor, ...]
+    fn: PerSampleFunction,
+    values: tuple[Tensor, ...],
+    levels: tuple[Tensor, ...],
+    *,
+    count: bool = True,
 ) -> Footprint:
     """Run one sample forward with autograd on and record saved-tensor sizes and ``O``: per
     sample, so not the model's parameters and buffers a layer saves (a linear layer its
-    weight), which every sample of a vectorised call shares."""
+    weight), which every sample of a vectorised call shares; ``count``: also the pass's
+    :class:`~multiscale_jac._calibration.Work` (what the engine prices routes with; the
+    memory model alone needs none, and counting's dispatch mode costs a first use's import)."""
     COUNTS["measure"] += 1
     seen: dict[int, int] = {}
     shared = {t.untyped_storage().data_ptr() for t in _model_tensors(fn)}
@@ -145,7 +151,10 @@ def measure(
 
     leaves = tuple(v.detach().requires_grad_(True) for v in values)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
-        out, work = count_work(lambda: fn(leaves, *levels))
+        if count:
+            out, work = count_work(lambda: fn(leaves, *levels))
+        else:
+            out, work = fn(leaves, *levels), NO_WORK
     return Footprint(
         sum(seen.values()), max(seen.values(), default=0), int(out.numel()), graph_depth(out), work
     )

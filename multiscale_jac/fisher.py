@@ -537,7 +537,7 @@ class _FisherRun(_FisherTuning):
         itemsize = values[0].element_size()
         numel = self.subset.numel
         kept = fisher_kept(numel, itemsize)
-        fp = measure(fn, values, tuple(packed.sample(packed.largest_sample)))
+        fp = measure(fn, values, tuple(packed.sample(packed.largest_sample)), count=False)
         one = fisher_sample(fp.activations, numel, itemsize)
         fit = fit_budget(
             opts.memory_budget,

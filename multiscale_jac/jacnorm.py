@@ -508,7 +508,7 @@ class _Job:
             return chunk_size or default
         kept = jacnorm_kept(numel, itemsize)
         levels = tuple(self.packed.sample(self.packed.largest_sample))
-        activations = measure(self.fn, self.fn.values(), levels).activations
+        activations = measure(self.fn, self.fn.values(), levels, count=False).activations
         layerwise = method is JacNormMethod.LAYERWISE
         one = jacnorm_sample(layerwise, activations, self.subset.numel, numel, rows, itemsize)
         fit = fit_budget(
