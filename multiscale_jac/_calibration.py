@@ -92,6 +92,13 @@ NO_WORK = Work()
 
 
 class _Counter(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo's ``disable`` otherwise, whose
+        # first call imports torch._dynamo (1-2 s, tens of MiB): a first call's cost the
+        # plain forward pass it counts never needs
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
