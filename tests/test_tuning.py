@@ -143,7 +143,7 @@ def test_saved_decisions_measure_nothing_after_load(tmp_path) -> None:
     again = _work()
     assert _counts() == (0, 0, 0)
     for a, b in zip(first, again):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)  # (chunks summed in another order)
 
 
 def test_a_decision_from_another_machine_setting_is_not_used(tmp_path) -> None:
