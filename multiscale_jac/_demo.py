@@ -165,7 +165,7 @@ def _row(
 
     say(f"{label}: engine, first call (planning included)")
     res, first_s = _timed(engine, device)
-    say(f"{label}: engine, second call (measures its routes)")
+    say(f"{label}: engine, second call")
     _, second_s = _timed(engine, device)
     say(f"{label}: loop reference, warm-up call on one sample")
     _timed(lambda: per_sample_jacobian_loop(model, batch[:1], params=subset), device)

@@ -143,7 +143,7 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
             "entries with strategy='auto', check them against the loop reference and print "
             "strategy, mode, shapes, times and the largest absolute difference, one row as soon "
             "as it is computed (a progress line on stderr while it works). Times: the engine's "
-            "first call (planning included) and its second (where it measures its routes), then "
+            "first call (planning included) and its second (the first's plan), then "
             "warm medians of repeated calls of the engine and of the loop reference, interleaved "
             "round by round; the speed-up is warm vs warm, the median of the rounds with their "
             "range. Exits with status 1 if a difference exceeds the tolerance."
