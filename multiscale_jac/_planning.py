@@ -277,9 +277,7 @@ def call_bytes(group: Group, mode: Mode, step: Step, plan: Plan, itemsize: int, 
 PRICING = {"structured_factor": 3.0, "rev_structured_min_numel": 4096}
 
 
-def estimate_seconds(
-    groups: list[tuple[int, int, Footprint]], plan: VectorPlan, padded: bool
-) -> float:
+def estimate_seconds(groups: list[tuple[int, int, Footprint]], plan: VectorPlan) -> float:
     """Expected time of running every group ``(samples, samples per call, footprint)`` as
     ``plan`` does (its mode, P, device, dtype and forward passes per call), priced on this
     machine (:func:`~multiscale_jac._calibration.machine`) from the work one sample's forward
@@ -293,9 +291,8 @@ def estimate_seconds(
     twice the forward's work, a tangent at most once); plus writing the ``(O, P)`` result of
     every sample.
 
-    A padded group's work is its masked pass's (the masking ops counted), so ``padded``
-    needs no factor of its own."""
-    del padded  # (the padded function's measured work includes its masking)
+    A padded group's work is its masked pass's (the masking ops counted): it needs no
+    factor of its own."""
     m = machine(plan.device, plan.dtype)
     total = 0.0
     for samples, per_call, fp in groups:
@@ -871,13 +868,13 @@ def _padded_lower_bound(bucketed: VectorPlan) -> float:
         work=max((g.footprint.work for g in bucketed.groups), key=lambda w: w.flops),
     )
     n = len(bucketed.sizes)
-    return estimate_seconds([(n, n, largest)], bucketed, padded=True)
+    return estimate_seconds([(n, n, largest)], bucketed)
 
 
 def plan_seconds(plan: VectorPlan) -> float:
     """The cost model's estimate of a plan (:func:`estimate_seconds`)."""
     groups = [(len(g.indices), min(c.samples for c in g.chunks), g.footprint) for g in plan.groups]
-    return estimate_seconds(groups, plan, plan.strategy is Strategy.PADDED)
+    return estimate_seconds(groups, plan)
 
 
 def tangent_groups(

@@ -415,14 +415,12 @@ class _Job:
             )
             return
         largest = max(len(b.indices) for b in self.packed.buckets())
-        routes, _ = self._trial_routes(tune, largest)
+        routes, _ = self._trial_routes(largest)
         if tune is not Tune.MEASURE or len(routes) < 2:
             return
         self.trial = routes
 
-    def _trial_routes(
-        self, tune: Tune, largest: int
-    ) -> tuple[list[tuple[JacNormMethod, int]], int]:
+    def _trial_routes(self, largest: int) -> tuple[list[tuple[JacNormMethod, int]], int]:
         """The ``(method, chunk)`` routes to time and the samples they and the warm-up chunk
         take. Where the ``largest`` bucket is short of samples, ``hvp`` and then ``vmap`` at
         half its chunk are left out (noted); the larger ``vmap`` chunk is
