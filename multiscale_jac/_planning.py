@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ._calibration import NO_WORK, Work, count_work, machine
+from ._calibration import machine
 from ._memory import (
     DEFAULT_WORKSET_BYTES,
     engine_call,
@@ -33,7 +33,8 @@ from ._memory import (
     tensor_bytes,
 )
 from ._ops import AT
-from ._tuning import COUNTS, register_types
+from ._plan_cache import COUNTS
+from ._work import NO_WORK, Work, count_work
 from .adapter import PerSampleFunction
 from .entries import NotStructuredError, entry_call, entry_names
 from .enums import Entries, MemoryBudgetError, Mode, Randomness, Strategy, Tune
@@ -107,7 +108,7 @@ class Footprint:
     largest: int
     outputs: int
     depth: int = 0
-    #: the ops and flops of its forward pass (:func:`~multiscale_jac._calibration.count_work`)
+    #: the ops and flops of its forward pass (:func:`~multiscale_jac._work.count_work`)
     work: Work = NO_WORK
 
 
@@ -133,7 +134,7 @@ def measure(
     """Run one sample forward with autograd on and record saved-tensor sizes and ``O``: per
     sample, so not the model's parameters and buffers a layer saves (a linear layer its
     weight), which every sample of a vectorised call shares; ``count``: also the pass's
-    :class:`~multiscale_jac._calibration.Work` (what the engine prices routes with; the
+    :class:`~multiscale_jac._work.Work` (what the engine prices routes with; the
     memory model alone needs none, and counting's dispatch mode costs a first use's import)."""
     COUNTS["measure"] += 1
     seen: dict[int, int] = {}
@@ -380,7 +381,8 @@ def choose_mode(
     """Pick ``rev``/``fwd`` (when ``mode`` is ``auto``) and the tensors that run structured,
     by the cost model of ``docs/entries.md`` on the :func:`survey`'s per-tangent work, the
     forward pass's ``work`` (ops, flops and elements of one sample) and each mode's
-    vectorised ``calls`` (default: one a selected tensor in fwd, one in rev), priced on this
+    vectorised ``calls`` (default: one a selected tensor in fwd, one in rev;
+    ``fwd_structured``: in fwd where tensors run structured), priced on this
     machine (:func:`~multiscale_jac._calibration.machine`).
 
     Returns the mode, the structured tensors (in fwd: those whose structured tangent, priced
@@ -414,8 +416,9 @@ def choose_mode(
     dense = max((tangent(ec, False) for ec in costs.values()), default=0.0)
     rev_work = outputs * (2 * dense + sum(numel.values()) * m.elem_s)
     calls = calls or {"fwd": passes, "rev": 1}
+    fwd_calls = calls.get("fwd_structured", calls["fwd"]) if any(use.values()) else calls["fwd"]
     est = {  # every fwd pass (one a selected tensor) runs the primal forward pass again
-        "fwd": calls["fwd"] * m.overhead(work, "jvp")
+        "fwd": fwd_calls * m.overhead(work, "jvp")
         + samples * (m.pass_seconds(work, passes) + fwd_work),
         "rev": calls["rev"] * (m.overhead(work, "fwd") + m.overhead(work, "vjp"))
         + samples * (m.pass_seconds(work) + rev_work),
@@ -641,6 +644,7 @@ def _pick_mode(
         return mode, (), {}
     first = measured[0].levels(measured[0].indices[:1])
     costs = survey(fn, fn.values(), tuple(t[0] for t in first))
+    structurable = tuple(n for n, ec in costs.items() if ec.structured is not None)
     chosen, structured, est = choose_mode(
         costs,
         numel={name: fn.subset.offsets[name][1] - fn.subset.offsets[name][0] for name in costs},
@@ -651,7 +655,10 @@ def _pick_mode(
         device=device,
         tensor_numel=tensor_numel,
         work=measured[0].footprint.work,
-        calls={m.value: _calls(fn, measured, m, costs, options) for m in (Mode.FWD, Mode.REV)},
+        calls={
+            **{m.value: _calls(fn, measured, m, costs, options) for m in (Mode.FWD, Mode.REV)},
+            "fwd_structured": _calls(fn, measured, Mode.FWD, costs, options, structurable),
+        },
         dtype=fn.values()[0].dtype,
     )
     if chosen is Mode.REV:
@@ -678,15 +685,17 @@ def _calls(
     mode: Mode,
     costs: dict[str, EntryCost],
     options: EngineOptions,
+    structured: tuple[str, ...] = (),
 ) -> int:
-    """The vectorised calls a plan of ``mode`` makes without a budget (generic entries; in fwd
-    one set a tangent span): the memory model's samples per call, which a wide reverse step
-    can bring down to one."""
+    """The vectorised calls a plan of ``mode`` makes without a budget (generic entries but
+    ``structured``; in fwd one set a tangent span): the memory model's samples per call,
+    which a wide reverse step, or a generic forward tangent of a whole tensor, can bring down
+    to one."""
     spans = tangent_groups(fn.subset, mode, options.randomness)
     like = fn.values()[0]
     return sum(
         -(-len(g.indices) // plan_chunks(g, mode, step, options.chunk_size, None, like).samples)
-        for step in _steps(fn, measured, mode, spans, (), costs, False)
+        for step in _steps(fn, measured, mode, spans, structured, costs, False)
         for g in measured
     )
 
@@ -1002,6 +1011,3 @@ def subset_key(subset: ParamSubset) -> Any:
 def _user_fn(output_fn: Any) -> Any:
     """The user's function behind the library's wrappers (they are made per call)."""
     return getattr(output_fn, "user", None) or output_fn
-
-
-register_types(Decision, Footprint, Plan, Strategy, Mode, Work)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._tuning import DecisionCache
+from ._plan_cache import PlanCache
 from .rows import RowGroups
 
 __all__ = ["ROW_PLANS", "RowPlan", "describe"]
@@ -90,5 +90,5 @@ class RowPlan:
 #: the pure followed runs, per model (held weakly) and key (the inputs' shapes, the hooked
 #: layers, whether the graph is kept), least recently used first out; ``None`` marks a key
 #: whose run differed from its plan (followed from then on). Emptied by
-#: :func:`multiscale_jac.clear_plan_cache`, as every :class:`~multiscale_jac._tuning.DecisionCache`.
-ROW_PLANS = DecisionCache("rows", maxsize=128, portable=False)
+#: :func:`multiscale_jac.clear_plan_cache`, as every :class:`~multiscale_jac._plan_cache.PlanCache`.
+ROW_PLANS = PlanCache(maxsize=128)

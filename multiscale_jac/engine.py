@@ -17,15 +17,17 @@ of outputs per sample, else ``rev``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import jacrev, jvp, vmap
 
-from ._calibration import count_work, machine
+from ._calibration import machine
 from ._checks import (
     check_bool,
     check_chunk_size,
@@ -34,7 +36,8 @@ from ._checks import (
     warn_fallback,
 )
 from ._loop import sample_loop
-from ._memory import mib
+from ._plan_cache import COUNTS, PLAN_CACHE
+from ._plan_cache import clear as clear_plans
 from ._planning import (
     EngineOptions,
     VectorPlan,
@@ -49,15 +52,9 @@ from ._planning import (
     replay,
     span_tensor,
 )
-from ._tuning import (
-    COUNTS,
-    GROWTH,
-    PLAN_CACHE,
-    grows,
-    pick,
-    time_candidates,
-)
+from ._tuning import Route, decided, tune
 from ._tuning import clear as clear_decisions
+from ._work import count_work
 from .adapter import PerSampleFunction
 from .entries import NotStructuredError, entry_call
 from .enums import (
@@ -125,6 +122,7 @@ def clear_plan_cache() -> None:
     op, shapes and owners; plain data, at most 8,192 entries) and the pure followed runs
     whose rows a later run with the same calls takes over (:mod:`multiscale_jac._row_replay`).
     """
+    clear_plans()
     clear_decisions()
     clear_row_cache()
 
@@ -243,69 +241,52 @@ def run_engine(
 #: a job whose loop is estimated to take less (seconds) runs its cheapest plan: no survey,
 #: no padded plan (planning would cost more than it saves; :meth:`_EngineRun.small_job`)
 SMALL_JOB_S = 0.1
+#: ... unless planning (a forward pass per selected tensor and per shape bucket) is estimated
+#: to cost at most this share of that loop
+PLANNING_SHARE = 0.1
 #: ``tune=True`` times each route on this many samples of the largest bucket (or the batch)
 PROBE_SAMPLES = 8
 
 
 class _RouteTiming:
-    """``tune=True``'s measuring of one call (the half of :class:`_EngineRun` that times
-    routes): every route ``auto`` chooses between, timed on the run's first samples."""
+    """``tune=True`` (the half of :class:`_EngineRun` that times routes): every route
+    ``auto`` chooses between, timed on the run's first samples."""
 
     fn: PerSampleFunction
     packed: PackedBatch
     options: EngineOptions
     notes: list[str]
-    trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None
+    key: Any
+    trial: dict[tuple[Strategy, Mode, Entries], VectorPlan] | None
 
-    def tune(self, ran: Strategy, plan: VectorPlan) -> tuple[Strategy, VectorPlan]:
-        """Under ``tune=True`` (``"measure"``): plan every route ``auto`` chooses between
-        (strategy x mode x entries; a route that cannot plan is no candidate) to be timed
-        on the run itself (:meth:`try_routes`), none whose working set exceeds
-        :data:`~multiscale_jac._tuning.GROWTH` x the estimate's choice's (or the default
-        working set, where larger). Otherwise the estimate's choice runs."""
+    def candidates(self, ran: Strategy, plan: VectorPlan) -> None:
+        """Under ``tune=True``, plan every route (strategy x mode x entries; one that cannot
+        plan is no candidate), the estimate's choice first, for :meth:`try_routes`."""
         o = self.options
         if o.tune is not Tune.MEASURE:
-            return ran, plan
-        strategies = [ran]
-        if o.strategy is Strategy.AUTO and len(self.packed.buckets()) > 1:
-            strategies = [Strategy.BUCKETED, Strategy.PADDED]
+            return
+        ragged = o.strategy is Strategy.AUTO and len(self.packed.buckets()) > 1
+        strategies = [Strategy.BUCKETED, Strategy.PADDED] if ragged else [ran]
         modes = [Mode.REV, Mode.FWD] if o.mode is Mode.AUTO else [plan.mode]
-        entries = [o.entries]
-        if o.entries is Entries.AUTO and plan.structured:
-            entries.append(Entries.GENERIC)
-        first = (ran, plan.mode, o.entries)  # the estimate's choice
-        plans = {first: plan}
+        both = o.entries is Entries.AUTO and plan.structured
+        entries = [o.entries, Entries.GENERIC] if both else [o.entries]
+        plans = {(ran, plan.mode, o.entries): plan}
         for key in [(s, m, e) for s in strategies for m in modes for e in entries]:
-            if key not in plans:
-                try:
-                    route = dataclasses.replace(o, mode=key[1], entries=key[2])
+            with contextlib.suppress(RuntimeError, UnsupportedOpError, MemoryBudgetError):
+                route = dataclasses.replace(o, mode=key[1], entries=key[2])
+                if key not in plans:
                     plans[key] = plan_strategy(self.fn, self.packed, key[0], route, [])
-                except (RuntimeError, UnsupportedOpError, MemoryBudgetError):
-                    continue  # a route that cannot run is no candidate
-        limit = max(plan.workset, default_workset(plan.device))
-        heavy = {k: p.workset for k, p in plans.items() if grows(p.workset, limit)}
-        if heavy:
-            self.notes.append(
-                f"tune: not timed, their working set over {GROWTH}x {mib(limit)} (the "
-                "estimate's choice's, or the default working set): "
-                + ", ".join(f"{_route(k)} ({mib(w)})" for k, w in heavy.items())
-            )
-        trial = [(k, p) for k, p in plans.items() if k not in heavy]
-        self.trial = trial if len(trial) > 1 else None
-        return ran, plan
+        self.trial = plans if len(plans) > 1 else None
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
-        """Run each route of :meth:`tune` on the same first :data:`PROBE_SAMPLES` samples of
-        the largest bucket (where every sample has a shape of its own: the smallest samples
-        of the batch), after a one-sample warm-up, by the rules of
-        :func:`~multiscale_jac._tuning.time_candidates`; a tie goes to the estimate's
-        choice. The samples' Jacobians stay in the result (every route's are the same).
-        Returns the result buffers, the samples done and the fastest route."""
-        trial, self.trial = self.trial or [], None
-        plans = dict(trial)
+        """Time each route of :meth:`candidates` on the same first :data:`PROBE_SAMPLES` of
+        the largest bucket (all singletons: the smallest samples), warmed up on one (the
+        estimate's choice may hold the default working set); their Jacobians stay in the
+        result. Returns the result buffers, the samples done and the route chosen."""
+        plans, self.trial = self.trial or {}, None
         into = _buffers(list(plans.values()), self.fn)
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices)).indices
-        if len(bucket) == 1:  # every sample its own shape: the smallest ones
+        if len(bucket) == 1:
             sizes = [sum(t.numel() for t in self.packed.sample(i)) for i in range(len(self.packed))]
             bucket = sorted(range(len(self.packed)), key=sizes.__getitem__)
         idx = list(bucket[:PROBE_SAMPLES])
@@ -321,22 +302,33 @@ class _RouteTiming:
                 return None
             return len(only)
 
-        times = time_candidates(
-            list(plans),
-            lambda k: run(k, idx),
-            devices=[trial[0][1].device],
-            warm_up=lambda k: run(k, idx[:1]),
-        )
-        if not times:  # every route failed on the data: the run meets the error again
-            return into, set(), trial[0][0][0], trial[0][1]
-        best = pick(times, prefer=lambda k: k == trial[0][0])  # ties: the estimate's
-        self.notes.append(
-            f"tune: timed on {len(idx)} samples of the run: "
-            + ", ".join(f"{_route(k)} {v * 1e3:.1f} ms" for k, v in times.items())
-            + f" per sample; chose {_route(best)}"
-        )
+        first, p0 = next(iter(plans.items()))
+        routes = [
+            Route(_route(k), partial(run, k, idx), None, 1, p.workset) for k, p in plans.items()
+        ]
+        for r, k in zip(routes, plans, strict=True):
+            r.warm_up = partial(run, k, idx[:1])
+        routes[0].workset = max(p0.workset, default_workset(p0.device))
+        chosen = tune("engine", self.key, routes, devices=[p0.device], notes=self.notes)
+        best = next((k for k in plans if chosen and _route(k) == chosen.name), None)
+        if best is None:  # every route failed on the data: the run meets the error again
+            return into, set(), first[0], p0
         self.options = dataclasses.replace(self.options, mode=best[1], entries=best[2])
         return into, set(idx), best[0], plans[best]
+
+    def recalled(self) -> tuple[Strategy, VectorPlan | None] | None:
+        """The route ``tune=True`` chose before for these shapes, planned (``None``: none)."""
+        chosen = None if self.options.tune is Tune.ESTIMATE else decided("engine", self.key)
+        key = next((k for k in _ROUTES if chosen and _route(k) == chosen[0]), None)
+        if key is None:
+            return None
+        self.options = dataclasses.replace(self.options, mode=key[1], entries=key[2])
+        self.notes.append(f"plan: {chosen[0]}, chosen by tune=True before for these shapes")
+        return self.plan(key[0])
+
+
+#: every route ``tune=True`` may choose (:func:`_route` names them)
+_ROUTES = [(s, m, e) for s in Strategy for m in (Mode.REV, Mode.FWD) for e in Entries]
 
 
 def _vmap_failure(fn: PerSampleFunction, packed: PackedBatch, randomness: Randomness) -> str | None:
@@ -364,10 +356,13 @@ class _EngineRun(_RouteTiming):
         self.requested = options  # ``options`` changes when mode 'fwd' turns out impossible
         self.fallbacks: list[str] = []
         self.notes: list[str] = []
-        self.key = plan_key(fn, packed, options)
-        self.cached = PLAN_CACHE.get(fn.model, self.key)
+        # ``tune=True`` and ``auto`` share plans: ``auto`` runs what ``tune=True`` chose
+        shared = Tune.AUTO if options.tune is Tune.MEASURE else options.tune
+        self.key = plan_key(fn, packed, dataclasses.replace(options, tune=shared))
+        measure = options.tune is Tune.MEASURE and decided("engine", self.key) is None
+        self.cached = None if measure else PLAN_CACHE.get(fn.model, self.key)
         #: the routes ``tune=True`` times on the first samples of the run (:meth:`try_routes`)
-        self.trial: list[tuple[tuple[Strategy, Mode, Entries], VectorPlan]] | None = None
+        self.trial: dict[tuple[Strategy, Mode, Entries], VectorPlan] | None = None
 
     def fall_back(self, why: str, to: Strategy | Mode, err: Exception | None = None) -> Any:
         instead = f"{to.value!r}" if isinstance(to, Strategy) else f"mode {to.value!r}"
@@ -393,6 +388,8 @@ class _EngineRun(_RouteTiming):
             name = name if strategy is Strategy.AUTO else strategy.value
             why = f"strategy {name!r} failed: the model does not run under vmap ({failure})"
             return self.fall_back(why, Strategy.LOOP, RuntimeError(failure)), None
+        if (recalled := self.recalled()) is not None:
+            return recalled
         if self.small_job():
             if strategy is not Strategy.AUTO:
                 return strategy, None
@@ -403,14 +400,14 @@ class _EngineRun(_RouteTiming):
             ran = Strategy.VMAP if strategy is Strategy.AUTO else strategy
             ran, plan = self.plan(ran)
         if plan is not None:
-            ran, plan = self.tune(ran, plan)
+            self.candidates(ran, plan)
         return ran, plan
 
     def small_job(self) -> bool:
         """Unless ``tune=True``, a job whose loop is estimated under :data:`SMALL_JOB_S` (one
         forward pass of the largest sample, priced on this machine from the ops and flops it
-        dispatched, times the samples and rows) runs its cheapest plan: no survey, no padded
-        plan (planning would cost more than it saves)."""
+        dispatched, times the samples and rows), where planning would cost more than
+        :data:`PLANNING_SHARE` of it, runs its cheapest plan: no survey, no padded plan."""
         o = self.options
         free = [o.strategy is Strategy.AUTO, o.mode is Mode.AUTO, o.entries is Entries.AUTO]
         if o.tune is Tune.MEASURE or not any(free) or o.strategy is Strategy.PADDED:
@@ -422,7 +419,8 @@ class _EngineRun(_RouteTiming):
         once = m.overhead(work, "fwd") + m.pass_seconds(work)
         rows = out.numel()
         loop = once * len(self.packed) * (1 + 2 * rows)
-        if loop >= SMALL_JOB_S:
+        planning = once * (len(self.fn.subset.names) + len(self.packed.buckets()))
+        if loop >= SMALL_JOB_S or planning <= PLANNING_SHARE * loop:
             return False
         mode = o.mode
         if mode is Mode.AUTO:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -66,7 +67,7 @@ from ._memory import (
 )
 from ._planning import EngineOptions, measure, plan_key
 from ._stream import Capture, pair, raw_output, split_targets, with_progress
-from ._tuning import GROWTH, PLAN_CACHE, pick, register_types, time_candidates
+from ._tuning import GROWTH, Route, decided, tune
 from .adapter import PerSampleFunction
 from .engine import run_engine
 from .enums import (
@@ -92,8 +93,6 @@ from .packing import PackedBatch
 from .subset import ParamSubset
 
 __all__ = ["DiagFisherResult", "diag_fisher"]
-
-register_types(FisherMethod)  # in the decisions a file keeps (multiscale_jac.tuning)
 
 #: samples per vectorised call of the ``vmap`` route when neither ``chunk_size`` nor
 #: ``memory_budget`` says otherwise (on CPU fewer where one tensor's per-sample gradients
@@ -308,121 +307,82 @@ def _batch_loss(
 
 
 class _FisherTuning:
-    """``method="auto"``'s choice between the layer-wise run and ``vmap``: recalled from the
-    plan cache, or measured on the first batch (``tune``). A part of :class:`_FisherRun`,
-    whose state and runs it uses."""
+    """``method="auto"``'s choice between the layer-wise run (the default) and ``vmap``: the
+    one ``tune=True`` chose before for these shapes, or under ``tune=True`` timed on the
+    first batch. A part of :class:`_FisherRun`, whose state and runs it uses."""
 
     opts: _Options
     prep: Prepared
     plan: LayerwisePlan | None
     tuned: bool
+    _trial: tuple[PackedBatch, list[int], PerSampleFunction, list[Tensor], LayerwisePlan]
 
     def _choosing(self) -> bool:
-        """``method="auto"`` with a layer-wise plan whose choice against ``vmap`` is open and
-        may be measured (``tune="estimate"``: the layer-wise run, nothing timed or recalled)."""
-        return (
-            self.opts.method is FisherMethod.AUTO
-            and self.plan is not None
-            and not self.tuned
-            and self.opts.tune is not Tune.ESTIMATE
-        )
+        o = self.opts
+        auto = o.method is FisherMethod.AUTO and o.tune is not Tune.ESTIMATE
+        return auto and self.plan is not None and not self.tuned
 
     def _recall(self, packed: PackedBatch) -> None:
-        """``method="auto"`` with a layer-wise plan, on the first batch: the choice cached for
-        these shapes (model structure, inputs, options), with the output shapes and the
-        separability check found then, so no forward pass is redone for them."""
+        """On the first batch: the route ``tune=True`` chose for these shapes, if any."""
         if not self._choosing():
             return
-        opts = self.opts
-        self.key = (
-            "diag_fisher",
-            (opts.likelihood, opts.kind, opts.chunk, opts.memory_budget, opts.mc_samples),
-            plan_key(self.prep.function(packed), packed, EngineOptions()),  # the user's output_fn
-        )
-        cached = PLAN_CACHE.get(self.prep.model, self.key)
-        if cached is None:
-            return
-        method, self.lw_chunk, shapes = cached
-        self.tuned = True
-        self.shapes.update(shapes)
-        self.separable_checked = method is FisherMethod.LAYERWISE  # it ran layer-wise then
-        self.plan = self.plan if method is FisherMethod.LAYERWISE else None
-        chunk = f" with {self.lw_chunk} samples a chunk" if self.lw_chunk else ""
-        self.notes.append(f"cached choice: {method.value!r}{chunk} (the same shapes ran before)")
+        o = self.opts
+        options = (o.likelihood, o.kind, o.chunk, o.memory_budget, o.mc_samples)
+        self.key = (options, plan_key(self.prep.function(packed), packed, EngineOptions()))
+        if (chosen := decided("diag_fisher", self.key)) is not None:
+            self.tuned = True
+            self._take(chosen[0], chosen[1], self.plan)
+            self.notes.append(f"plan: {chosen[0]}, chosen by tune=True before for these shapes")
+
+    def _take(self, name: str, chunk: int | None, plan: LayerwisePlan | None) -> None:
+        layerwise = name.startswith(FisherMethod.LAYERWISE.value)
+        self.plan = plan if layerwise else None
+        self.lw_chunk = chunk if layerwise and not self.opts.chunk else None
 
     def _tune(self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]) -> bool:
-        """``method="auto"`` with a layer-wise plan, on the first batch (without a cached
-        choice): the batch runs layer-wise (its sums count), then each candidate route runs
-        the largest bucket's first samples at the chunk it would run at, once to warm up and
-        timed after (a route's first run of a shape paid 3-5x its later time), the routes
-        within 15% of the fastest timed once more; those results are dropped (random state
-        and the loss sum untouched). The fastest route over the bucket in whole chunks is
-        cached with its chunk. Candidates: layer-wise in chunks of :data:`_VMAP_CHUNK` and of
-        up to :data:`_LAYERWISE_CHUNK` samples (or the chunk asked for), and ``vmap``.
-        Returns whether it ran the batch."""
+        """Under ``tune=True`` on the first batch: the batch runs layer-wise (counted), then
+        each route runs the largest bucket's first chunk, its result dropped: layer-wise in
+        chunks of up to :data:`_LAYERWISE_CHUNK` and :data:`_VMAP_CHUNK` samples (or the
+        chunk asked for), then ``vmap``, compared over the bucket in whole chunks. Returns
+        whether it ran the batch."""
         if not self._choosing():
             return False
         self.tuned = True
         if self.opts.tune is not Tune.MEASURE:
             return False
-        bucket = max(packed.buckets(), key=lambda b: len(b.indices))
-        n = len(bucket.indices)
-        plan, (asked, vmap_chunk) = self.plan, self.chunks
-        sizes = [asked] if asked else [min(n, _VMAP_CHUNK), min(n, _LAYERWISE_CHUNK)]
-        self.chunks = (sizes[-1], vmap_chunk)
-        self._add_terms(fn, packed, targets)  # the batch, counted; warms the last size
+        idx = max(packed.buckets(), key=lambda b: len(b.indices)).indices
+        n, plan, (asked, vmap_chunk) = len(idx), self.plan, self.chunks
+        sizes = [asked] if asked else [min(n, _LAYERWISE_CHUNK), min(n, _VMAP_CHUNK)]
+        self.chunks = (sizes[0], vmap_chunk)
+        self._add_terms(fn, packed, targets)  # the batch, counted; warms the first size
         if self.plan is None:  # layer-wise fell back: vmap
-            PLAN_CACHE.put(self.prep.model, self.key, (FisherMethod.VMAP, None, dict(self.shapes)))
             return True
-        ran = (FisherMethod.LAYERWISE, sizes[-1])
-        routes = [(FisherMethod.LAYERWISE, c) for c in dict.fromkeys(sizes)]
-        routes.append((FisherMethod.VMAP, min(n, vmap_chunk)))
-
-        def run(r: tuple[FisherMethod, int]) -> float | None:
-            return self._dropped_run(packed, bucket, r, fn, targets, plan)
-
-        times = time_candidates(  # the route that ran the batch is warm already
-            routes, run, devices=self.devices, warm_up=lambda r: 1.0 if r == ran else run(r)
-        )
-        method, chunk = pick(  # over the bucket in whole chunks; ties: the larger chunk
-            times, cost=lambda r, t: t * -(-n // r[1]) * r[1], prefer=lambda r: r[1]
-        )
-        self.plan = plan if method is FisherMethod.LAYERWISE else None
-        self.lw_chunk = chunk if method is FisherMethod.LAYERWISE and not asked else None
-        PLAN_CACHE.put(self.prep.model, self.key, (method, self.lw_chunk, dict(self.shapes)))
-        self.notes.append(
-            "tune: timed on the data: "
-            + ", ".join(f"{m.value}/{c} {t * 1e3:.2f} ms" for (m, c), t in times.items())
-            + f" per sample; chose {method.value!r} with {chunk} samples a chunk"
-        )
+        self._trial = (packed, idx, fn, targets, plan)
+        pairs = [(FisherMethod.LAYERWISE, c) for c in dict.fromkeys(sizes)]
+        pairs.append((FisherMethod.VMAP, min(n, vmap_chunk)))
+        routes = [
+            Route(f"{m.value}/{c}", partial(self._dropped, m, c), c, -(-n // c) * c)
+            for m, c in pairs
+        ]
+        routes[0].warm_up = int  # the batch ran it
+        chosen = tune("diag_fisher", self.key, routes, devices=self.devices, notes=self.notes)
+        if chosen is not None:
+            self._take(chosen.name, chosen.chunk, plan)
         return True
 
-    def _dropped_run(
-        self,
-        packed: PackedBatch,
-        bucket: Any,
-        route: tuple[FisherMethod, int],
-        fn: PerSampleFunction,
-        targets: list[Tensor],
-        plan: LayerwisePlan | None,
-    ) -> float | None:
-        """Run ``route`` on the first samples of ``bucket`` (one chunk of the route's size)
-        and return their count (``None``: not a candidate), its result dropped: the random state, the generator and the loss
-        sum are as before."""
-        method, chunk = route
-        idx = bucket.indices[:chunk]
-        sub = packed.select(idx)
-        saved = (self.plan, self.chunks)
-        self.plan = plan if method is FisherMethod.LAYERWISE else None
-        self.chunks = (chunk, chunk) if method is FisherMethod.LAYERWISE else (None, chunk)
-        generator = self.opts.generator
+    def _dropped(self, method: FisherMethod, chunk: int) -> float | None:
+        """``method`` on the bucket's first ``chunk`` samples, the result dropped (the random
+        state, the generator and the loss sum as before): the samples (``None``: failed)."""
+        packed, idx, fn, targets, plan = self._trial
+        idx, saved = idx[:chunk], (self.plan, self.chunks)
+        sub, layerwise = packed.select(idx), method is FisherMethod.LAYERWISE
+        self.plan, self.chunks = (plan, (chunk, chunk)) if layerwise else (None, (None, chunk))
+        generator, self.loss.paused = self.opts.generator, True
         state = None if generator is None else generator.get_state()
-        self.loss.paused = True
         try:
             with torch.random.fork_rng(devices=self.devices):
-                self._terms(
-                    self.prep.function(sub, output_fn=fn.output_fn), sub, [targets[i] for i in idx]
-                )
+                sub_fn = self.prep.function(sub, output_fn=fn.output_fn)
+                self._terms(sub_fn, sub, [targets[i] for i in idx])
         except NotLayerwiseError:  # not a candidate after all
             return None
         finally:

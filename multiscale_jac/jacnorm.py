@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,7 +57,7 @@ from ._planning import (
     subset_key,
 )
 from ._stream import with_progress
-from ._tuning import GROWTH, PLAN_CACHE, RETIME, pick, register_types, time_candidates
+from ._tuning import GROWTH, Route, decided, tune
 from .enums import (
     BatchNormPolicy,
     Estimator,
@@ -73,7 +74,6 @@ from .subset import ParamSubset
 
 __all__ = ["jacobian_sq_norm", "jacobian_sq_norm_backward"]
 
-register_types(JacNormMethod)  # in the decisions a file keeps (multiscale_jac.tuning)
 
 #: samples per vectorised call of the ``hvp`` route by default
 _HVP_CHUNK = 16
@@ -325,8 +325,8 @@ class _Job:
         self._sizing = (chunk_size, memory_budget, dtype)
         self._chunk_of: dict[JacNormMethod, int] = {}
         self.probes = None
-        #: ``(method, chunk)`` routes to time on the first chunks of the run (``auto``)
-        self.trial: list[tuple[JacNormMethod, int]] | None = None
+        #: whether the routes are timed on the first chunk of the run (``tune=True``)
+        self.trial = False
         if estimator is Estimator.HUTCHINSON:
             self.probes = self._probes(num_probes or 8, generator, dtype)
         # every pass (a timing probe, the run) draws the masks of the call's random state
@@ -395,76 +395,69 @@ class _Job:
         return found
 
     def tune(self, tune: Tune) -> None:
-        """Under ``method="auto"``: the route of a cached decision; else, when the largest
-        bucket has samples for a warm-up chunk and one chunk of each candidate route (``auto``;
-        ``measure``: always), those routes are timed on the first chunks of the run itself
-        (:meth:`_try_routes`): the chunks are part of the job, so timing costs only the
-        slower routes' extra time, not a separate probe. Candidates: every method that
-        applies, and ``vmap`` also at half its default chunk and at a larger one, where the
-        samples and memory allow (:meth:`_larger`). ``layerwise`` is timed (and, chosen,
-        runs) at no more than ``vmap``'s chunk, so that its large default chunk does not
-        leave the other routes without samples."""
-        if self.requested is not JacNormMethod.AUTO:
+        """Under ``method="auto"``: the route ``tune=True`` chose before for these shapes;
+        else under ``tune=True`` the routes are timed on the run (:meth:`_try_routes`)."""
+        if self.requested is not JacNormMethod.AUTO or tune is Tune.ESTIMATE:
             return
-        cached = PLAN_CACHE.get(self.fn.model, self.key)
-        if cached is not None:
-            self.method, self._chunk_of[cached[0]] = cached
-            self.notes.append(
-                f"cached choice: {cached[0].value!r}, {cached[1]} samples a chunk (the same "
-                "shapes ran before)"
-            )
-            return
-        largest = max(len(b.indices) for b in self.packed.buckets())
-        routes, _ = self._trial_routes(largest)
-        if tune is not Tune.MEASURE or len(routes) < 2:
-            return
-        self.trial = routes
+        if (chosen := decided("jacobian_sq_norm", self.key)) is not None:
+            self._take(*chosen)
+            self.notes.append(f"plan: {chosen[0]}, chosen by tune=True before for these shapes")
+        self.trial = chosen is None and tune is Tune.MEASURE
 
-    def _trial_routes(self, largest: int) -> tuple[list[tuple[JacNormMethod, int]], int]:
-        """The ``(method, chunk)`` routes to time and the samples they and the warm-up chunk
-        take. Where the ``largest`` bucket is short of samples, ``hvp`` and then ``vmap`` at
-        half its chunk are left out (noted); the larger ``vmap`` chunk is
-        timed only on samples left over (:meth:`_larger`)."""
-        routes = []
+    def _take(self, name: str, chunk: int | None) -> None:
+        self.method = JacNormMethod(name.split("/")[0])
+        self._chunk_of[self.method] = chunk or self.chunk_for(self.method)
+
+    def _try_routes(self) -> None:
+        """Time each route on the first chunk of the largest bucket, results dropped,
+        compared over the bucket in whole chunks, the larger chunk first (ties: fewer
+        calls): each method at its chunk (``layerwise`` at no more than ``vmap``'s), ``vmap``
+        also at a larger chunk (:meth:`_larger`) and at half its chunk (from
+        :data:`_HALF_CHUNK_FROM` samples). The fastest runs the job."""
+        self.trial = False
+        bucket = list(max(self.packed.buckets(), key=lambda b: len(b.indices)).indices)
+        n, chunks = len(bucket), []
         for m in self.candidates():
             with contextlib.suppress(MemoryBudgetError):  # a method over budget: no candidate
-                chunk = self.chunk_for(m)
+                c = self.chunk_for(m)
                 if m is JacNormMethod.LAYERWISE and self._sizing[0] is None:
-                    chunk = min(chunk, self.chunk_for(JacNormMethod.VMAP))
-                routes.append((m, chunk))
-                if m is JacNormMethod.VMAP and chunk >= _HALF_CHUNK_FROM:
-                    routes.append((m, chunk // 2))
-        needed = self.chunk_for(self.method) + sum(c for _, c in routes)
-        vmap = [c for m, c in routes if m is JacNormMethod.VMAP]
-        spare = [r for r in routes if r[0] is JacNormMethod.HVP]
-        spare += [r for r in routes if r[0] is JacNormMethod.VMAP and r[1] < max(vmap, default=0)]
-        left_out = []
-        while largest < needed and spare and len(routes) > 2:
-            route = spare.pop(0)
-            routes.remove(route)
-            needed -= route[1]
-            left_out.append(f"{route[0].value}/{route[1]}")
-        if left_out:
-            self.notes.append(
-                f"tune: {largest} samples in the largest bucket: left out {', '.join(left_out)}"
+                    c = min(c, self.chunk_for(JacNormMethod.VMAP))
+                more = [self._larger(c, n), c, *([c // 2] if c >= _HALF_CHUNK_FROM else [])]
+                chunks += [(m, min(k, n)) for k in (more if m is JacNormMethod.VMAP else [c])]
+        routes = [
+            Route(f"{m.value}/{c}", partial(self._dropped, m, bucket[:c]), c, -(-n // c) * c)
+            for m, c in sorted(dict.fromkeys(chunks), key=lambda r: -r[1])
+        ]
+        with torch.random.fork_rng(devices=self.devices):
+            chosen = tune(
+                "jacobian_sq_norm", self.key, routes, devices=self.devices, notes=self.notes
             )
-        if vmap and (larger := self._larger(vmap[0], largest, largest - needed)) > vmap[0]:
-            routes, needed = [*routes, (JacNormMethod.VMAP, larger)], needed + larger
-        return routes, needed
+        if chosen is not None:
+            self._take(chosen.name, chosen.chunk)
 
-    def _larger(self, chunk: int, largest: int, left: int) -> int:
-        """The larger chunk ``vmap`` is also timed at: up to
-        :data:`~multiscale_jac._tuning.GROWTH` times its default ``chunk`` and the ``left``
-        samples of the ``largest`` bucket after the other routes' chunks, splitting the bucket evenly; within the route's default bytes and on
-        CPU :func:`~multiscale_jac._memory.cpu_chunk_cap` (32 samples a chunk ran 1.4x
-        slower than 16 on a 3-conv CNN, where a per-sample gradient crossed it); only with
-        no ``chunk_size`` or ``memory_budget`` given (``chunk`` itself otherwise)."""
+    def _dropped(self, method: JacNormMethod, idx: list[int]) -> float | None:
+        """One chunk of ``method`` on ``idx``, its result dropped: the samples (``None``:
+        failed, noted)."""
+        try:
+            self._route(method)(True, [(idx[0], idx)])
+        except (RuntimeError, NotLayerwiseError) as err:  # not a candidate after all
+            self.notes.append(f"tune: {method.value} failed on the data ({err})")
+            return None
+        return len(idx)
+
+    def _larger(self, chunk: int, largest: int) -> int:
+        """The larger chunk ``vmap`` is also timed at: up to :data:`GROWTH` times ``chunk``,
+        splitting the ``largest`` bucket evenly, within the route's default bytes and on CPU
+        :func:`~multiscale_jac._memory.cpu_chunk_cap` (32 samples a chunk ran 1.4x slower
+        than 16 on a 3-conv CNN, where a per-sample gradient crossed it); ``chunk`` where
+        ``chunk_size`` or ``memory_budget`` is given."""
         chunk_size, budget, dtype = self._sizing
-        if chunk_size is not None or budget is not None:
-            return chunk
-        most = min(GROWTH * chunk, left, JACNORM_VMAP_BYTES // max(1, self._row_grads_bytes(dtype)))
+        bytes_cap = JACNORM_VMAP_BYTES // max(1, self._row_grads_bytes(dtype))
+        most = min(GROWTH * chunk, largest, bytes_cap)
         most = min(most, self._cpu_cap(JacNormMethod.VMAP, dtype) or most)
-        return chunk if most <= chunk else max(chunk, even_chunk(most, largest))
+        if chunk_size is not None or budget is not None or most <= chunk:
+            return chunk
+        return max(chunk, even_chunk(most, largest))
 
     def _cpu_cap(self, method: JacNormMethod, dtype: torch.dtype) -> int | None:
         """Samples per ``vmap`` / ``hvp`` chunk under :data:`CPU_TENSOR_BYTES` for the
@@ -546,14 +539,13 @@ class _Job:
         o = self.outputs[first]
         return torch.eye(o, dtype=like.dtype, device=like.device).expand(len(idx), o, o)
 
-    def _chunks(self, done: set[int]) -> list[tuple[int, list[int]]]:
-        """``(first sample of the bucket, chunk's samples)`` for every chunk of the samples
-        not ``done``."""
+    def _chunks(self) -> list[tuple[int, list[int]]]:
+        """``(first sample of the bucket, chunk's samples)`` for every chunk of the batch."""
         chunk = self.chunk_for(self.method)
         found = []
         for b in self.packed.buckets():
-            rest = [i for i in b.indices if i not in done]
-            found += [(b.indices[0], rest[s : s + chunk]) for s in range(0, len(rest), chunk)]
+            idx = list(b.indices)
+            found += [(idx[0], idx[s : s + chunk]) for s in range(0, len(idx), chunk)]
         return found
 
     def run(self, *, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
@@ -566,11 +558,10 @@ class _Job:
                 torch.set_rng_state(self.rng_state[0])
                 if self.rng_state[1] is not None:
                     torch.cuda.set_rng_state(self.rng_state[1], self.fn.device)
-            done: set[int] = set()
             total = self._zero(with_grad)
-            if self.trial is not None and with_grad:
-                self._try_routes(total, done)
-            chunks = self._progress(self._chunks(done))
+            if self.trial and with_grad:
+                self._try_routes()
+            chunks = self._progress(self._chunks())
             if self.method is JacNormMethod.LAYERWISE:
                 try:
                     return _add_into(total, self._run_layerwise(with_grad, chunks))
@@ -581,80 +572,13 @@ class _Job:
                     warn_fallback([msg])
                     self.notes.append(msg)
                     self.method = JacNormMethod.VMAP
-                    chunks = self._progress(self._chunks(done))
+                    chunks = self._progress(self._chunks())
             return _add_into(total, self._route(self.method)(with_grad, chunks))
 
     def _zero(self, with_grad: bool) -> tuple[Tensor, dict[str, Tensor]]:
         value = next(iter(self.fn.params.values())).new_zeros(())
         grads = {n: torch.zeros_like(p) for n, p in self.trainable.items()} if with_grad else {}
         return value, grads
-
-    def _try_routes(self, total: tuple[Tensor, dict[str, Tensor]], done: set[int]) -> None:
-        """Run the first chunks of the largest bucket with each route of :attr:`trial` (after
-        one warm-up chunk with the estimate's), timing each; then the routes within
-        ``RETIME`` of the fastest once more (a route's first chunk of a shape pays
-        one-off costs, up to 2x its later time on 2 CPU cores: primitives and buffers made
-        for the new shapes; and one timed chunk each mis-ordered routes 8% apart); the faster
-        of a route's two times counts. Their results go into ``total`` and their samples into
-        ``done``. The fastest route over the bucket in whole chunks (of those within
-        ``TIE`` of it, the one with the largest chunk) is cached and runs the rest (the rules
-        and the loop of :mod:`~multiscale_jac._tuning`).
-        Where the bucket has too few samples left, a re-timed (or, under
-        ``tune="measure"``, a late first-round) route runs on samples already counted and its
-        result is dropped."""
-        routes, self.trial = self.trial or [], None
-        bucket = max(self.packed.buckets(), key=lambda b: len(b.indices))
-        pool = list(bucket.indices)
-        warm = (self.method, self.chunk_for(self.method))
-        self._run_chunk(warm, bucket, pool, total, done)  # the warm-up: counted, not timed
-        times = time_candidates(
-            routes,
-            lambda r: self._run_chunk(r, bucket, pool, total, done),
-            devices=self.devices,
-            warm_up=lambda r: 1.0,  # the routes share the warm-up chunk above
-        )
-        if times:
-            n = len(bucket.indices)  # a route's cost on the bucket: whole chunks, the last one's
-            # fixed cost too (layer-wise in 9s took 15 chunks for 128 samples, 6% over 128/9);
-            # routes the timing cannot tell apart: the one with the largest chunk (fewer calls;
-            # chunks are capped under the CPU's mmap threshold, the cause of the one case where
-            # a tied larger chunk ran slower later: vmap/32 on a 3-conv CNN, 1.4x)
-            self.method, chunk = pick(
-                times, cost=lambda r, t: t * -(-n // r[1]) * r[1], prefer=lambda r: r[1]
-            )
-            self._chunk_of[self.method] = chunk
-            PLAN_CACHE.put(self.fn.model, self.key, (self.method, chunk))
-            self.notes.append(
-                "tune: timed chunks of each route on the data: "
-                + ", ".join(f"{m.value}/{c} {t * 1e3:.1f} ms" for (m, c), t in times.items())
-                + f" per sample (the faster of two times within {RETIME}x of the fastest); "
-                f"chose {self.method.value!r} with {chunk} samples a chunk"
-            )
-
-    def _run_chunk(
-        self,
-        route: tuple[JacNormMethod, int],
-        bucket: Any,
-        pool: list[int],
-        total: tuple[Tensor, dict[str, Tensor]],
-        done: set[int],
-    ) -> float | None:
-        """One chunk of ``route`` on the next samples of ``pool`` (taken from it; where too
-        few are left, on the bucket's first samples, the result dropped). Returns its samples
-        (``None``: it failed, noted)."""
-        method, chunk = route
-        counted = len(pool) >= min(chunk, len(bucket.indices))
-        idx = pool[:chunk] if counted else list(bucket.indices[:chunk])
-        try:
-            part = self._route(method)(True, [(bucket.indices[0], idx)])
-        except (RuntimeError, NotLayerwiseError) as err:  # not a candidate after all
-            self.notes.append(f"tune: {method.value} failed on the data ({err})")
-            return None
-        if counted:
-            _add_into(total, part)
-            done.update(idx)
-            del pool[: len(idx)]
-        return len(idx)
 
     def _route(self, method: JacNormMethod) -> Any:
         return {

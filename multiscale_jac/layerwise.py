@@ -42,6 +42,7 @@ never formed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ from torch.utils._pytree import tree_leaves
 from ._memory import CACHE_BYTES, DEFAULT_TEMP_BYTES, chunk_in, tensor_bytes
 from ._ops import named, numeric_padding
 from ._row_replay import ROW_PLANS, RowPlan, describe
-from ._tuning import KERNEL_CACHE, pick, time_candidates
+from ._tuning import Route, decided, tune
 from .adapter import PerSampleFunction
 from .enums import LayerRule, Tune
 from .rows import RowGroups, RowTracker, groups_of, output_rows
@@ -493,10 +494,9 @@ class LayerwiseRun:
         (:func:`_conv_weight_grads`). Neither wins everywhere (on 2 CPU cores the grouped
         convolution took 0.35x the columns' time at 16 input channels per sample and 3-10x
         past about 2,000 channels per call), so where a layer is large enough for it to
-        matter the candidates are timed once per layer and size class under ``tune=True``
-        and the fastest is kept in a process-wide cache (bounded, holding the layer weakly,
-        emptied by :func:`~multiscale_jac.clear_plan_cache`), which ``tune="auto"`` reads.
-        Columns below that size, with a graph, and where nothing was measured."""
+        matter the candidates are timed once per layer shape and size class under
+        ``tune=True`` (:func:`~multiscale_jac._tuning.tune`), which ``tune="auto"`` then
+        runs. Columns below that size, with a graph, and where nothing was measured."""
         if self.create_graph or not isinstance(m, _CONV) or self.tune is Tune.ESTIMATE:
             return 0
         n, co = g.shape[:2]
@@ -505,39 +505,36 @@ class LayerwiseRun:
         # one decision per power-of-two class of samples and of input positions: ragged
         # batches (a new map size per shape bucket) must not pay a probe per bucket
         sizes = (n.bit_length(), a[0, 0].numel().bit_length())
-        key = ("layerwise_kernel", sizes, tuple(m.weight.shape), a.dtype, a.device)
-        chosen = KERNEL_CACHE.get(m, key)
-        if chosen is None:
-            if self.tune is not Tune.MEASURE:
-                return 0
-            most = min(self._chunk(n, co * ck, g), max(1, GROUPED_CHANNELS // max(co, a.shape[1])))
-            kernels = sorted({0, most, max(1, most // 4)})
-            chosen = self._probe(s, m, a, g, kernels)
-            KERNEL_CACHE.put(m, key, chosen)
-        return chosen
-
-    def _probe(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernels: list[int]) -> int:
-        """Time each kernel by the rules of :mod:`~multiscale_jac._tuning` (a warm-up, a
-        timed run, those within ``RETIME`` of the fastest once more); among kernels within
-        ``TIE`` of the fastest, columns win (timing noise never trades a sure kernel for a
-        cliff). The sums are left as they were (the chosen kernel runs after)."""
+        conv = (m.stride, m.padding, m.dilation, m.groups)
+        key = (type(m), sizes, tuple(m.weight.shape), conv, a.dtype, a.device)
+        if (chosen := decided("layerwise_kernel", key)) is not None:
+            return chosen[1] or 0
+        if self.tune is not Tune.MEASURE:
+            return 0
+        most = min(self._chunk(n, co * ck, g), max(1, GROUPED_CHANNELS // max(co, a.shape[1])))
         before = self._sums.pop(s.name, None)
-
-        def run(kernel: int) -> float | None:
-            self._sums.pop(s.name, None)
-            try:
-                self._per_sample(s, m, a, g, kernel)
-            except RuntimeError:  # a backend without that grouped convolution: not a candidate
-                if not kernel:
-                    raise
-                return None
-            return 1.0
-
-        times = time_candidates(kernels, run, devices=[a.device])
+        routes = [  # columns first: a tie never trades the sure kernel for a cliff
+            Route(
+                f"grouped/{k}" if k else "columns", functools.partial(self._trial, s, m, a, g, k), k
+            )
+            for k in sorted({0, most, max(1, most // 4)})
+        ]
+        best = tune("layerwise_kernel", key, routes, devices=[a.device], notes=[])
         self._sums.pop(s.name, None)
         if before is not None:
             self._sums[s.name] = before
-        return pick(times, prefer=lambda kernel: kernel == 0)
+        return 0 if best is None else best.chunk or 0
+
+    def _trial(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernel: int) -> float | None:
+        """One run of ``kernel`` for :meth:`_kernel` (the sums it leaves are dropped)."""
+        self._sums.pop(s.name, None)
+        try:
+            self._per_sample(s, m, a, g, kernel)
+        except RuntimeError:  # a backend without that grouped convolution: not a candidate
+            if not kernel:
+                raise
+            return None
+        return 1.0
 
     def _per_sample(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, kernel: int) -> None:
         """The ``per_sample`` rule of a layer called once: ``kernel`` as in :meth:`_kernel`."""

@@ -105,9 +105,9 @@ def reference_machine():
 def _reference_machine():
     """Every test starts with no decisions and prices routes on :func:`reference_machine`
     (the default ``tune="auto"`` runs as users run it: the estimate, nothing timed)."""
-    from multiscale_jac import _calibration, _tuning
+    from multiscale_jac import _calibration, clear_plan_cache
 
-    _tuning.clear()
+    clear_plan_cache()
     before = _calibration.use_machine(reference_machine())
     yield
     _calibration.use_machine(before)

@@ -390,7 +390,7 @@ def test_cpu_chunks_keep_per_sample_tensors_under_32_mib(
     assert job.chunk_for(mj.JacNormMethod.VMAP) == vmap_chunk
     assert job.chunk_for(mj.JacNormMethod.HVP) == hvp_chunk
     per_sample = max(job.fn.params[n].numel() for n in job.mask) * 2 * 8  # rows x float64
-    larger = job._larger(vmap_chunk, 400, 400)
+    larger = job._larger(vmap_chunk, 400)
     assert larger == vmap_chunk if chunk_size else larger * per_sample < CPU_TENSOR_BYTES
 
 

@@ -400,10 +400,11 @@ def test_conv_kernels_match_loop(cfg, kernel) -> None:
     mj.clear_plan_cache()
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(layerwise, "PROBE_MIN_FLOPS", 0.0))
-        if kernel != "probe":
-            forced = mock.patch.object(layerwise.LayerwiseRun, "_probe", return_value=kernel)
-            stack.enter_context(forced)
-        res = diag_fisher(model, [(x, y)], progress=False, method="layerwise")
+        if kernel != "probe":  # as if tune=True had chosen it
+            chosen = (f"grouped/{kernel}", kernel)
+            stack.enter_context(mock.patch.object(layerwise, "decided", return_value=chosen))
+        tune = "measure" if kernel == "probe" else "auto"
+        res = diag_fisher(model, [(x, y)], progress=False, method="layerwise", tune=tune)
     torch.testing.assert_close(res.flat, ref, atol=TOL, rtol=0)
     mj.clear_plan_cache()
 

@@ -11,6 +11,7 @@ from cases import DTYPE
 from conftest import CASE_BY_ID, jacnorm_jobs
 
 import multiscale_jac as mj
+from multiscale_jac import _tuning
 from multiscale_jac.models import ConvBlock
 
 
@@ -153,21 +154,23 @@ def test_route_timing_keeps_full_collections_out_and_restores_the_collector(monk
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
-    # every timed route call of a tuned run ran with the process's objects frozen
-    calls: list[int] = []
+    # every timed route call of a tuned run (on more samples than its warm-up's one) ran
+    # with the process's objects frozen
+    calls: list[tuple[int, int]] = []
     real = mj.engine._fill
 
     def spy(*args, **kwargs):
         if kwargs.get("only") is not None:
-            calls.append(gc.get_freeze_count())
+            calls.append((len(kwargs["only"]), gc.get_freeze_count()))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mj.engine, "_fill", spy)
     case = CASE_BY_ID["fpn_scale_ragged"]
     mj.per_sample_jacobian(
-        case.build(), case.inputs(), params="head.*", output_fn=case.output_fn, tune="measure"
+        case.build(), case.inputs() * 2, params="head.*", output_fn=case.output_fn, tune=True
     )
-    assert calls and all(calls)
+    timed = [frozen for n, frozen in calls if n > 1]
+    assert timed and all(timed), calls
     assert gc.get_freeze_count() == 0
 
 
@@ -191,7 +194,7 @@ def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
     probed = _counts()[2]
     got_s, got_g = value_and_grad(tune=tune)
     assert _counts()[2] >= probed + 3  # layerwise, vmap and hvp were timed
-    assert mj.plan_cache_info().size == 1  # the choice
+    assert len(_tuning._DECISIONS) == 1  # the choice
     torch.testing.assert_close(got_s, ref_s, atol=1e-10, rtol=0)
     for g, r in zip(got_g, ref_g):
         torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
@@ -205,40 +208,28 @@ def test_jacobian_norm_times_its_routes_on_the_run_itself(tune: str) -> None:
     probed = _counts()[2]
     with torch.no_grad():  # value only: nothing timed, nothing cached
         mj.jacobian_sq_norm(model, x, chunk_size=8, tune=tune)
-    assert _counts()[2] == probed and mj.plan_cache_info().size == 0
+    assert _counts()[2] == probed and len(_tuning._DECISIONS) == 0
 
 
-@pytest.mark.parametrize(
-    ("n", "timed_routes", "left_out"),
-    [
-        (200, ["layerwise/32", "vmap/32", "vmap/16", "hvp/16", "vmap/67"], None),
-        (110, ["layerwise/32", "vmap/32"], "left out hvp/16, vmap/16"),
-    ],
-    ids=["every_route_and_a_larger_chunk", "short_bucket_leaves_routes_out"],
-)
-def test_jacobian_norm_default_chunks_time_every_route_twice(
-    monkeypatch, n: int, timed_routes: list[str], left_out: str | None
-) -> None:
+def test_jacobian_norm_default_chunks_time_every_route(monkeypatch) -> None:
     """With default chunks, ``layerwise`` (whose own default chunk would take most of the
-    samples) is timed at ``vmap``'s chunk, every route the samples allow is timed (``vmap``
-    also at a larger chunk from the samples left over: 72 of 200, split evenly: 67), the
-    routes near the fastest a second time (``probe`` counts both), and the chunks stay
-    counted exactly once; with fewer samples ``hvp`` and the half ``vmap`` chunk go first."""
+    samples) is timed at ``vmap``'s chunk, ``vmap`` also at a larger chunk (up to GROWTH x
+    its own, splitting the 200 samples evenly: 100) and at half its chunk, the larger chunk
+    first; the routes' results are dropped: the value equals a forced method's."""
     jobs = jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     model = model.to(DTYPE)
-    x = torch.randn(n, 4, dtype=DTYPE)
+    x = torch.randn(200, 4, dtype=DTYPE)
     ref = mj.jacobian_sq_norm(model, x, method="hvp")
     probed = _counts()[2]
     got = mj.jacobian_sq_norm(model, x, tune=True)
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
-    (note,) = [n for n in jobs[-1].notes if n.startswith("tune: timed chunks")]
+    (note,) = [n for n in jobs[-1].notes if n.startswith("tune: timed")]
     timed = note.split(": ", 2)[2].split(" per sample")[0].split(", ")
-    assert [t.rsplit(" ", 2)[0] for t in timed] == timed_routes, note
+    routes = ["vmap/100", "layerwise/32", "vmap/32", "vmap/16", "hvp/16"]
+    assert [t.rsplit(" ", 2)[0] for t in timed] == routes, note
     assert _counts()[2] >= probed + len(timed) + 1  # the fastest re-timed at least
-    short = [n for n in jobs[-1].notes if "left out" in n]
-    assert (short[0].split(": ", 2)[2] if short else None) == left_out, jobs[-1].notes
 
 
 @pytest.mark.parametrize("case_id", ["fpn_scale_ragged", "seed_convblock_levels"])
@@ -292,35 +283,34 @@ def test_diag_fisher_times_layerwise_against_vmap_on_the_data() -> None:
     torch.testing.assert_close(res.flat, ref.flat, atol=1e-12, rtol=0)
     again = mj.diag_fisher(model, data)  # the default reads the measured choice
     assert _counts()[2] == probed
-    assert any(n.startswith("cached choice") for n in again.notes), again.notes
+    assert any("chosen by tune=True before" in n for n in again.notes), again.notes
     torch.testing.assert_close(again.flat, ref.flat, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("fastest, sizes", [(0, [32, 8]), (1, [40]), (2, [])])
+@pytest.mark.parametrize("fastest, sizes", [(0, [40]), (1, [32, 8]), (2, [])])
 def test_diag_fisher_runs_the_chunk_it_chose(monkeypatch, fastest: int, sizes: list) -> None:
     """The route and layer-wise chunk ``tune=True`` found fastest are cached and run by later
     default calls: layer-wise in chunks of 32 or of the whole bucket (40), or ``vmap`` (no
     layer-wise run)."""
     from multiscale_jac import _tuning, fisher
 
-    order = [("layerwise", 32), ("layerwise", 40), ("vmap", 32)]
-    real = _tuning._time_one
+    order = ["layerwise/40", "layerwise/32", "vmap/32"]
+    real = _tuning._time
 
-    def timed(route, fn, devices) -> float | None:  # the fastest by fiat
-        t = real(route, fn, devices)
-        if t is None or not isinstance(route, tuple):  # (a layer-wise kernel's probe)
+    def timed(route, devices) -> float | None:  # the fastest by fiat
+        t = real(route, devices)
+        if t is None or route.name not in order:  # (a layer-wise kernel's probe)
             return t
-        return 1.0 if order.index((route[0].value, route[1])) == fastest else 2.0
+        return 1.0 if order.index(route.name) == fastest else 2.0
 
-    monkeypatch.setattr(_tuning, "_time_one", timed)
+    monkeypatch.setattr(_tuning, "_time", timed)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 4))
     data = [(torch.randn(40, 5).to(DTYPE), torch.randint(0, 4, (40,)))]
     model = model.to(DTYPE)
     ref = mj.diag_fisher(model, data, method="layerwise")
     first = mj.diag_fisher(model, data, tune=True)
-    method, chunk = order[fastest]
-    assert first.notes[-1].endswith(f"chose {method!r} with {chunk} samples a chunk"), first.notes
+    assert first.notes[-1].endswith(f"chose {order[fastest]}"), first.notes
     seen: list[int] = []
     run = fisher._FisherRun._layerwise_chunk
 
@@ -331,8 +321,7 @@ def test_diag_fisher_runs_the_chunk_it_chose(monkeypatch, fastest: int, sizes: l
     monkeypatch.setattr(fisher._FisherRun, "_layerwise_chunk", count)
     again = mj.diag_fisher(model, data)
     assert seen == sizes
-    with_chunk = f" with {chunk} samples a chunk" if method == "layerwise" else ""
-    assert again.notes == (f"cached choice: {method!r}{with_chunk} (the same shapes ran before)",)
+    assert again.notes == (f"plan: {order[fastest]}, chosen by tune=True before for these shapes",)
     for res in (first, again):
         torch.testing.assert_close(res.flat, ref.flat, atol=1e-12, rtol=0)
 
@@ -361,37 +350,23 @@ def test_diag_fisher_tune_leaves_the_random_state() -> None:
 
 def test_jacobian_norm_ties_go_to_the_largest_chunk(monkeypatch) -> None:
     """Routes the timing cannot tell apart (here: every chunk takes the same time per sample)
-    go to the one with the largest chunk, the fewest vectorised calls (192 samples: 128 for
-    the warm-up chunk and the routes' chunks, ``vmap`` also timed at 64 on the rest)."""
-    from multiscale_jac import _tuning, jacnorm
+    go to the one with the largest chunk, the fewest vectorised calls (192 samples: ``vmap``
+    at 96), which runs the job."""
+    from multiscale_jac import _tuning
 
-    real = _tuning._time_one
+    real = _tuning._time
 
-    def same_rate(route, fn, devices) -> float | None:
-        t = real(route, fn, devices)
-        return None if t is None else 1e-3
+    def same_rate(route, devices) -> float | None:
+        return None if real(route, devices) is None else 1e-3
 
-    seen: list[list[int]] = []
-    route = jacnorm._Job._route
-
-    def spy(self, method):
-        run = route(self, method)
-
-        def call(with_grad, chunks):
-            chunks = list(chunks)
-            seen.extend(c[1] for c in chunks[:1])  # none left: the tune's took every sample
-            return run(with_grad, chunks)
-
-        return call
-
-    monkeypatch.setattr(_tuning, "_time_one", same_rate)
-    monkeypatch.setattr(jacnorm._Job, "_route", spy)
+    monkeypatch.setattr(_tuning, "_time", same_rate)
     jobs = jacnorm_jobs(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     x = torch.randn(192, 4, dtype=DTYPE)
     mj.jacobian_sq_norm(model.to(DTYPE), x, tune=True).backward()
-    assert jobs[-1].notes[-1].endswith("chose 'vmap' with 64 samples a chunk"), jobs[-1].notes
+    assert jobs[-1].notes[-1].endswith("chose vmap/96"), jobs[-1].notes
+    assert jobs[-1].chunk_for(jobs[-1].method) == 96
 
 
 def test_a_given_chunk_size_is_kept_when_measuring() -> None:

@@ -141,6 +141,10 @@ NOT_MEASURED: dict[str, dict[str, tuple[str, Callable[[], bool] | None]]] = {
             "the small-job threshold",
             _setting("engine", "SMALL_JOB_S", 0.1),
         ),
+        "is estimated at most **10%** of that loop": (
+            "the planning share of a small job",
+            _setting("engine", "PLANNING_SHARE", 0.1),
+        ),
         "stay under 32 MiB": _TENSOR_CAP,
         "1.4 MiB of gradient per sample": (
             "a size from the shape: 369k float32 entries (128 -> 320 channels, 3x3)",

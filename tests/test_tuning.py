@@ -1,5 +1,6 @@
-"""Measuring in one place (``multiscale_jac._tuning``): the loop's rules (warm-up, retime, tie),
-the decision caches and their file form (``multiscale_jac.tuning.save`` / ``load``)."""
+"""Measuring in one place (``multiscale_jac._tuning``): the one path's rules (warm-up,
+retime, tie, growth), the choices kept and their file form (``multiscale_jac.tuning.save`` /
+``load``), nothing timed unless ``tune=True``; the machine's calibration."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import nn
 
 import multiscale_jac as mj
 from multiscale_jac import _tuning
+from multiscale_jac._tuning import Route
 
 DTYPE = torch.float64
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def fake_clock(monkeypatch):
-    """The loop's clock reads the seconds the run callback leaves in ``clock[0]``."""
+    """The tuner's clock reads the seconds the run callback leaves in ``clock[0]``."""
     clock = [0.0]
 
     @contextlib.contextmanager
@@ -39,49 +41,79 @@ def fake_clock(monkeypatch):
     return clock
 
 
-def test_every_candidate_warms_up_then_those_within_retime_run_again(fake_clock) -> None:
-    """Warm-up, one timed run each, then a second round for those within RETIME of the
-    fastest (the faster time counting); a failed candidate is absent."""
-    seconds = {"a": [9.0, 1.0, 0.8], "b": [9.0, 2.5, 3.0], "c": [9.0, 4.0], "d": [None]}
-    calls: list[str] = []
+def _routes(seconds: dict, calls: list, clock: list, **fields) -> list[Route]:
+    """Routes whose every run (warm-ups included) takes the next of their ``seconds``
+    (``None``: fails), one sample each."""
 
-    def run(k: str) -> float | None:
-        calls.append(k)
-        t = seconds[k].pop(0)
+    def run(name: str) -> float | None:
+        calls.append(name)
+        t = seconds[name].pop(0)
         if t is None:
             return None
-        fake_clock[0] = t
+        clock[0] = t
         return 1.0
 
+    return [Route(k, lambda k=k: run(k), **fields.get(k, {})) for k in seconds]
+
+
+def test_every_route_warms_up_then_those_within_retime_run_again(fake_clock) -> None:
+    """Warm-up, one timed run each, then a second round for those within RETIME of the
+    fastest (the faster time counting); a failed route is no candidate; the choice is kept."""
+    seconds = {"a": [9.0, 1.0, 0.8], "b": [9.0, 2.5, 3.0], "c": [9.0, 4.0], "d": [None]}
+    calls: list[str] = []
+    notes: list[str] = []
     probes = _tuning.COUNTS["probe"]
-    times = _tuning.time_candidates(["a", "b", "c", "d"], run)
+    chosen = _tuning.tune("f", ("k",), _routes(seconds, calls, fake_clock), devices=[], notes=notes)
     assert calls == ["a", "a", "b", "b", "c", "c", "d", "a", "b"]
-    assert times == {"a": 0.8, "b": 2.5, "c": 4.0}
+    assert chosen.name == "a" and _tuning.decided("f", ("k",)) == ("a", None)
     assert _tuning.COUNTS["probe"] == probes + 5  # timed runs only, not warm-ups
-
-
-def test_a_skipped_candidate_is_not_timed_and_units_divide(fake_clock) -> None:
-    def run(k: str) -> float:
-        fake_clock[0] = {"a": 4.0, "b": 40.0}[k]
-        return 4.0  # four samples: seconds per sample
-
-    times = _tuning.time_candidates(
-        ["a", "b"], run, skip=lambda k, warm, times: bool(times) and warm > 4 * min(times.values())
-    )
-    assert times == {"a": 1.0}
+    assert "a 800 ms" in notes[0] and "b 2.5e+03 ms" in notes[0] and " d " not in notes[0]
+    assert _tuning.decided("f", ("other",)) is None and _tuning.decided("g", ("k",)) is None
 
 
 @pytest.mark.parametrize(
-    ("times", "prefer", "chosen"),
-    [
-        ({"small": 1.0, "large": 1.04}, "large".__eq__, "large"),  # within TIE: the preferred
-        ({"small": 1.0, "large": 1.06}, "large".__eq__, "small"),  # outside TIE: the fastest
-        ({"small": 1.04, "large": 1.0}, None, "large"),  # no preference: the fastest
-    ],
-    ids=["tie-goes-to-preferred", "no-tie", "no-preference"],
+    ("times", "chosen"),
+    [((1.04, 1.0), "first"), ((1.06, 1.0), "second"), ((1.0, 1.04), "first")],
+    ids=["tie-goes-to-the-earlier", "no-tie", "fastest-first"],
 )
-def test_pick_breaks_ties_by_the_callers_preference(times, prefer, chosen) -> None:
-    assert _tuning.pick(times, prefer=prefer) == chosen
+def test_ties_go_to_the_earlier_route(fake_clock, times, chosen) -> None:
+    seconds = {"first": [0.0, times[0], times[0]], "second": [0.0, times[1], times[1]]}
+    assert (
+        _tuning.tune("f", None, _routes(seconds, [], fake_clock), devices=[], notes=[]).name
+        == chosen
+    )
+    assert _tuning.decided("f", None) is None  # a None key keeps nothing
+
+
+def test_units_weigh_the_time_per_sample(fake_clock) -> None:
+    """A route is compared by seconds per sample times its ``units`` (whole chunks over the
+    job): the faster per sample loses where its chunks waste samples."""
+    seconds = {"big": [0.0, 1.0, 1.0], "small": [0.0, 0.9, 0.9]}
+    fields = {"big": {"units": 100}, "small": {"units": 128}}
+    assert (
+        _tuning.tune(
+            "f", None, _routes(seconds, [], fake_clock, **fields), devices=[], notes=[]
+        ).name
+        == "big"
+    )
+
+
+def test_a_route_over_growth_or_already_warm_is_not_run_untimed(fake_clock) -> None:
+    """GROWTH x the first route's working set bounds what is timed (noted); a route whose
+    warm-up does nothing is timed at once."""
+    seconds = {"a": [1.0, 1.0], "b": [0.5, 0.5, 0.5], "c": [0.1]}
+    calls: list[str] = []
+    fields = {
+        "a": {"workset": 100, "warm_up": lambda: 1},
+        "b": {"workset": 400},
+        "c": {"workset": 401},
+    }
+    notes: list[str] = []
+    chosen = _tuning.tune(
+        "f", None, _routes(seconds, calls, fake_clock, **fields), devices=[], notes=notes
+    )
+    assert chosen.name == "b" and calls == ["a", "b", "b", "a", "b"]
+    assert notes[0].startswith("tune: not timed") and "'c'" in notes[0]
 
 
 def _net() -> nn.Module:
@@ -131,17 +163,17 @@ def _counts() -> tuple[int, int, int]:
 
 def test_saved_decisions_measure_nothing_after_load(tmp_path) -> None:
     """What the engine, the Fisher and the Jacobian-norm regulariser measured, saved and loaded
-    into an emptied cache: new models of the same structure run the saved choices (no
-    measuring pass, survey or probe) to the same numbers."""
+    into an emptied cache: new models of the same structure run the saved choices (nothing
+    timed) to the same numbers."""
     first = _work()
     assert _counts()[2] > 0  # it measured
-    path = tmp_path / "decisions.pt"
+    path = tmp_path / "decisions.json"
     written = mj.tuning.save(path)
     assert written >= 3
     mj.clear_plan_cache()
     assert mj.tuning.load(path) == written
     again = _work()
-    assert _counts() == (0, 0, 0)
+    assert _counts()[2] == 0  # nothing timed: the saved choices ran
     for a, b in zip(first, again):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)  # (chunks summed in another order)
 
@@ -150,7 +182,7 @@ def test_a_decision_from_another_machine_setting_is_not_used(tmp_path) -> None:
     """The key holds the environment (here: the CPU threads): a decision measured with other
     settings is ignored and the call measures again."""
     mj.diag_fisher(_net(), _data(), tune="measure")
-    path = tmp_path / "decisions.pt"
+    path = tmp_path / "decisions.json"
     mj.tuning.save(path)
     mj.clear_plan_cache()
     mj.tuning.load(path)
@@ -160,60 +192,49 @@ def test_a_decision_from_another_machine_setting_is_not_used(tmp_path) -> None:
         res = mj.diag_fisher(_net(), _data(), tune="measure")
     finally:
         torch.set_num_threads(threads)
-    assert _counts()[2] > 0 and not any(n.startswith("cached") for n in res.notes), res.notes
+    assert _counts()[2] > 0 and not any("by tune=True before" in n for n in res.notes), res.notes
 
 
 def test_a_foreign_file_is_refused(tmp_path) -> None:
-    """Not a decision file, or one holding anything but plain data and the library's decision
-    types (read with ``weights_only=True``): a ValueError naming the file."""
+    """Not a decision file (a weights file, JSON of another format, an entry that is not a
+    route name and chunk): a ValueError naming the file, nothing read."""
     plain = tmp_path / "weights.pt"
     torch.save({"w": torch.zeros(2)}, plain)
-    with pytest.raises(ValueError, match=re.escape(str(plain))):
-        mj.tuning.load(plain)
-    code = tmp_path / "code.pt"
-    torch.save({"format": _tuning._FORMAT, "decisions": {"plans": {"k": nn.Linear(1, 1)}}}, code)
-    with pytest.raises(ValueError, match=re.escape(str(code))):
-        mj.tuning.load(code)
-    assert len(_tuning.PLAN_CACHE.known) == 0
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "x", "decisions": {}}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": _tuning._FORMAT, "decisions": {"k": ["a", "b"]}}))
+    for path in (plain, other, bad):
+        with pytest.raises(ValueError, match=re.escape(str(path))):
+            mj.tuning.load(path)
+    assert len(_tuning._DECISIONS) == 0
 
 
-def test_closures_key_by_what_they_hold() -> None:
-    """Two output functions of the same code holding different values have different keys; one
-    holding a tensor cannot be written at all (its state is not its code)."""
-
-    def span(a: int):
-        return lambda out: out[:, a:]
-
-    model = nn.Linear(2, 2)
-    k1 = _tuning.portable_key(model, ("x", span(1)))
-    k2 = _tuning.portable_key(model, ("x", span(2)))
-    assert k1 != k2 and k1 == _tuning.portable_key(model, ("x", span(1)))
-    w = torch.ones(2)
-    with pytest.raises(_tuning._Unportable):
-        _tuning.portable_key(model, ("x", lambda out: out * w))
-
-
-def test_a_forward_with_a_comprehension_keys_the_same_in_every_process() -> None:
-    """A comprehension in ``forward`` is a nested code object whose ``repr`` holds its address:
-    the same source compiled twice (as in two processes) keys the same, other code does not."""
-    source = textwrap.dedent(
+def test_a_key_means_the_same_in_another_process() -> None:
+    """A key is text without object addresses: types and functions by name, weak references
+    by their target; the same key made in another process digests the same."""
+    script = textwrap.dedent(
         """
-        import torch
-        class Block(torch.nn.Module):
-            def forward(self, xs):
-                return torch.cat([x.flatten(1) {op} 1 for x in xs], dim=1)
+        import weakref, torch
+        from multiscale_jac import _tuning
+
+        def head(out):
+            return out[:, :2]
+
+        key = (torch.nn.Conv2d, head, weakref.ref(head), torch.Size([2, 3]), torch.float64,
+               torch.Generator(), ("x", 3))
+        print(_tuning._digest("f", key))
         """
     )
-
-    def compiled(op: str) -> type:
-        space: dict = {}
-        exec(compile(source.format(op=op), "<model>", "exec"), space)
-        return space["Block"]
-
-    a, b, c = compiled("*"), compiled("*"), compiled("+")
-    assert repr(a.forward.__code__.co_consts) != repr(b.forward.__code__.co_consts)  # addresses
-    assert _tuning.portable_key(a(), ("k",)) == _tuning.portable_key(b(), ("k",))
-    assert _tuning.portable_key(a(), ("k",)) != _tuning.portable_key(c(), ("k",))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    digests = [
+        subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+        for _ in range(2)
+    ]
+    assert digests[0] == digests[1]
+    assert _tuning._digest("f", (nn.Conv2d,)) != _tuning._digest("f", (nn.Linear,))
 
 
 def test_tune_false_never_probes_a_kernel(monkeypatch) -> None:
@@ -225,9 +246,9 @@ def test_tune_false_never_probes_a_kernel(monkeypatch) -> None:
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16, 3))
     data = [(torch.randn(6, 8, 4, 4), torch.randint(3, (6,)))]
     mj.diag_fisher(model, data, method="layerwise", tune=False)
-    assert _counts()[2] == 0 and len(_tuning.KERNEL_CACHE) == 0
+    assert _counts()[2] == 0 and len(_tuning._DECISIONS) == 0
     mj.diag_fisher(model, data, method="layerwise", tune=True)
-    assert _counts()[2] > 0 and len(_tuning.KERNEL_CACHE) > 0
+    assert _counts()[2] > 0 and len(_tuning._DECISIONS) > 0
 
 
 def test_the_clock_is_read_in_tuning_alone() -> None:
@@ -242,34 +263,6 @@ def test_the_clock_is_read_in_tuning_alone() -> None:
         )
     ]
     assert readers == []
-
-
-@pytest.mark.slow
-def test_the_environment_variable_names_a_file_that_outlives_the_process(tmp_path) -> None:
-    """``MULTISCALE_JAC_TUNING_CACHE``: the first process measures and writes the file at exit;
-    the second reads it and measures nothing."""
-    script = textwrap.dedent(
-        """
-        import torch, multiscale_jac as mj
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
-        x = torch.randn(40, 5)
-        mj.diag_fisher(model, [(x, torch.randint(0, 3, (40,)))], tune="measure")
-        print(mj.plan_cache_info().probed)
-        """
-    )
-    env = {**os.environ, _tuning.ENV_VAR: str(tmp_path / "decisions.pt")}
-    env["PYTHONPATH"] = str(ROOT)
-
-    def probes() -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-        )
-        return int(out.stdout.split()[-1])
-
-    assert probes() > 0
-    assert (tmp_path / "decisions.pt").exists()
-    assert probes() == 0
 
 
 # ---------------------------------------------------------------------- nothing timed by default
@@ -324,19 +317,7 @@ def test_a_layers_kernels_are_timed_only_under_tune_true(monkeypatch) -> None:
         mj.diag_fisher(model, data, method="layerwise", tune=tune)
         probes.append(_counts()[2] - before)
     assert probes[:2] == [0, 0] and probes[2] > 0 and probes[3] == 0, probes
-    assert len(_tuning.KERNEL_CACHE) > 0
-
-
-@pytest.mark.parametrize(
-    ("workset", "chosen"), [(100, 100), (400, 100), (401, 100), (50, 100), (100, 0)]
-)
-def test_growth_bounds_what_is_timed_by_the_estimates_working_set(
-    workset: int, chosen: int
-) -> None:
-    """A candidate over GROWTH x the estimate's choice's working set is not timed (``0``:
-    not planned, no rule)."""
-    assert _tuning.GROWTH == 4
-    assert _tuning.grows(workset, chosen) is (chosen > 0 and workset > 4 * chosen)
+    assert len(_tuning._DECISIONS) > 0
 
 
 def test_a_route_over_growth_is_not_timed() -> None:
@@ -352,26 +333,9 @@ def test_a_route_over_growth_is_not_timed() -> None:
     res = mj.per_sample_jacobian(model, x, params=subset, mode="fwd", tune="measure")
     assert res.structured == ("0.weight",)
     (note,) = [n for n in res.notes if n.startswith("tune: not timed")]
-    assert "vmap/fwd/generic" in note and "MiB" in note, note
+    assert "vmap/fwd/generic" in note, note
     timed = [n for n in res.notes if n.startswith("tune: timed")]
     assert all("generic" not in n for n in timed), timed
-
-
-def test_freed_memory_is_released_after_every_timed_run(fake_clock, monkeypatch) -> None:
-    """The rule **release**: after each warm-up and timed run (retimes included) the loop
-    gives freed heap memory back, so one candidate's freed memory does not stay resident
-    under the next's."""
-    released, runs = [], []
-    monkeypatch.setattr(_tuning, "release", lambda: released.append(len(runs)))
-
-    def run(k: str) -> float:
-        runs.append(k)
-        fake_clock[0] = {"a": 1.0, "b": 1.5}[k]
-        return 1.0
-
-    _tuning.time_candidates(["a", "b"], run)
-    assert len(runs) == 6  # warm-up, timed, retimed: both within RETIME
-    assert released == [1, 2, 3, 4, 5, 6]
 
 
 # ---------------------------------------------------------------------- the machine, calibrated
@@ -379,12 +343,12 @@ def test_work_counts_ops_by_kind_and_flops() -> None:
     """One linear layer on one sample: a matrix product of 2 x 4 x 3 flops (bias included in
     the product's op), counted as dense; a ReLU after it: another kind; 3 elements written
     by each."""
-    from multiscale_jac import _calibration
+    from multiscale_jac import _work
 
     lin = nn.Linear(4, 3)
     x = torch.randn(1, 4)
-    out, work = _calibration.count_work(lambda: torch.relu(lin(x)))
-    kinds = dict(zip(_calibration.KINDS, work.ops))
+    out, work = _work.count_work(lambda: torch.relu(lin(x)))
+    kinds = dict(zip(_work.KINDS, work.ops))
     assert out.shape == (1, 3) and work.flops == 2 * 4 * 3
     assert kinds["dense"] == 1 and kinds["other"] >= 1 and kinds["norm"] == 0
     assert work.elems == 3 * (kinds["dense"] + kinds["other"])
