@@ -1,9 +1,8 @@
-"""The machine, measured once (private): what an op costs here (:class:`~multiscale_jac._work.
-Machine`: per op dispatched by kind and pass, per flop and per element written), measured by
-:func:`calibrate` on short chains of each kind of op (about a second) per device, dtype and
-thread count, and kept by :func:`machine` like a compiled-kernel cache: in the process and in
-a file (:func:`cache_path`), keyed with the library and torch versions (docs/design.md, "How
-the library chooses")."""
+"""The machine, measured once (private): what an op costs here (a
+:class:`~multiscale_jac._work.Machine`), measured by :func:`calibrate` on short chains of each
+kind of op (about a second) per device, dtype and thread count and kept by :func:`machine` like
+a compiled-kernel cache, in the process and in a file (:func:`cache_path`), keyed with the
+library and torch versions."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import jacrev, jvp, vmap
 
-from ._tuning import environment, seconds
+from ._tuning import environment, stopwatch
 from ._work import KINDS, Machine, count_work
 
 __all__ = ["CACHE_ENV", "PASSES", "Machine", "cache_path", "calibrate", "machine", "use_machine"]
@@ -48,9 +47,15 @@ def _chain(kind: str, links: int) -> Callable[[torch.Tensor, torch.Tensor], torc
     return f
 
 
-def _best(fn: Callable[[], Any], device: torch.device, rounds: int = 5) -> float:
-    fn()  # a first call pays one-time costs
-    return min(seconds(fn, [device])[0] for _ in range(rounds))
+def _best(fn: Callable[[], Any], device: torch.device) -> float:
+    """The least of five times of ``fn()`` after a first call (one-time costs)."""
+    fn()
+    times: list[float] = []
+    for _ in range(5):
+        with stopwatch([device]) as elapsed:
+            fn()
+        times += elapsed
+    return min(times)
 
 
 def measure_machine(device: torch.device, dtype: torch.dtype) -> Machine:
@@ -61,8 +66,7 @@ def measure_machine(device: torch.device, dtype: torch.dtype) -> Machine:
     g = torch.Generator().manual_seed(0)
     w = (0.2 * torch.randn(4, 4, 3, 3, generator=g)).to(device, dtype)
     x = torch.randn(2, 1, 4, 6, 6, generator=g).to(device, dtype)
-    op_s: dict[str, list[float]] = {p: [] for p in PASSES}
-    call_s: dict[str, list[float]] = {p: [] for p in PASSES}
+    op_s, call_s = ({p: [] for p in PASSES} for _ in "ab")  # type: ignore[var-annotated]
     for kind in KINDS:
         times: dict[str, list[float]] = {p: [] for p in PASSES}
         counts = []
@@ -108,9 +112,8 @@ def _key(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def cache_path() -> Path | None:
-    """The calibration file: ``$MULTISCALE_JAC_CACHE_DIR/machine.json``, else under
-    ``$XDG_CACHE_HOME`` or ``~/.cache`` (``multiscale_jac/machine.json``); ``None`` where
-    ``MULTISCALE_JAC_CACHE_DIR`` is ``off``."""
+    """``$MULTISCALE_JAC_CACHE_DIR/machine.json`` (``off``: ``None``), else
+    ``multiscale_jac/machine.json`` under ``$XDG_CACHE_HOME`` or ``~/.cache``."""
     folder = os.environ.get(CACHE_ENV)
     if folder == "off":
         return None
@@ -118,8 +121,7 @@ def cache_path() -> Path | None:
     return Path(folder or base) / "machine.json"
 
 
-def _stored() -> dict[str, Any]:
-    """The calibration file's machines by key (none where it cannot be read)."""
+def _stored() -> dict[str, Any]:  # the calibration file's machines by key
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):  # (no path: None)
         return dict(json.loads(cache_path().read_text()))  # type: ignore[union-attr]
     return {}
@@ -150,9 +152,8 @@ def calibrate(device: torch.device | str = "cpu", dtype: torch.dtype = torch.flo
 
 
 def machine(device: torch.device, dtype: torch.dtype) -> Machine:
-    """This machine's :class:`Machine` for ``device`` and ``dtype``: the fixed one
-    (:func:`use_machine`), one measured before (here or in :func:`cache_path`), or
-    :func:`calibrate`'s."""
+    """The :class:`Machine` for ``device`` and ``dtype``: the fixed one (:func:`use_machine`),
+    one measured before (here or in :func:`cache_path`), or :func:`calibrate`'s."""
     if _FIXED[0] is not None:
         return _FIXED[0]
     if (key := _key(torch.device(device), dtype)) not in _MACHINES:

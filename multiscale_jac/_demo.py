@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._tuning import seconds
+from ._tuning import stopwatch
 from .engine import per_sample_jacobian
 from .models import TinyFPN
 from .packing import pack
@@ -208,8 +208,9 @@ def _row(
 
 def _timed(call: Callable[[], object], device: str) -> tuple[object, float]:
     """``(call(), seconds)``, synchronising CUDA before the clock stops."""
-    elapsed, out = seconds(call, [torch.device(device)])
-    return out, elapsed
+    with stopwatch([torch.device(device)]) as elapsed:
+        out = call()
+    return out, elapsed[0]
 
 
 def _interleaved_rounds(

@@ -17,8 +17,6 @@ import os
 import platform
 import re
 import time
-import types
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,7 @@ import torch
 
 from ._plan_cache import COUNTS
 
-__all__ = ["Route", "clear", "decided", "load", "save", "seconds", "stopwatch", "tune"]
+__all__ = ["Route", "clear", "decided", "load", "save", "stopwatch", "tune"]
 
 #: warm-up, then a timed run each; those within RETIME of the fastest once more (the faster
 #: time counting); within TIE of the fastest the earliest wins; no route holding over GROWTH
@@ -39,9 +37,9 @@ MAX_DECISIONS = 1024  # the oldest choices dropped beyond it
 
 @contextlib.contextmanager
 def stopwatch(devices: Iterable[torch.device] = ()) -> Iterator[list[float]]:
-    """Time the block (the seconds land in the yielded list), CUDA ``devices`` synchronised,
-    the objects from before frozen for the garbage collector (a collection over the whole
-    process made a 20 ms call take 170 ms); a caller's own freeze is left alone."""
+    """Time the block into the yielded list, CUDA ``devices`` synchronised, the objects from
+    before frozen for the garbage collector (a collection over the whole process made a 20 ms
+    call take 170 ms; a caller's own freeze is left alone)."""
     elapsed: list[float] = []
     if freeze := gc.get_freeze_count() == 0:
         gc.freeze()
@@ -57,24 +55,15 @@ def stopwatch(devices: Iterable[torch.device] = ()) -> Iterator[list[float]]:
             gc.unfreeze()
 
 
-def seconds(fn: Callable[[], Any], devices: Iterable[torch.device] = ()) -> tuple[float, Any]:
-    """``fn()``'s wall time (:func:`stopwatch`) and its result."""
-    with stopwatch(devices) as elapsed:
-        out = fn()
-    return elapsed[0], out
-
-
 @dataclass
 class Route:
     """A candidate of :func:`tune`: ``name`` (unique), ``run`` (on the call's samples: how
-    many, ``None`` where it failed), ``chunk`` (kept with the choice), ``units`` (samples over
-    the job in whole chunks, times seconds per sample compared), ``workset`` bytes and
+    many, ``None`` where it failed), ``chunk`` (kept with the choice), ``workset`` bytes and
     ``warm_up`` (default: ``run``; a route already warm passes one that does nothing)."""
 
     name: str
     run: Callable[[], float | None]
     chunk: int | None = None
-    units: float = 1.0
     workset: int = 0
     warm_up: Callable[[], Any] | None = None
 
@@ -83,25 +72,23 @@ def tune(
     family: str,
     key: Any,
     candidates: Sequence[Route],
-    *,
     devices: Iterable[torch.device],
     notes: list[str],
+    samples: int = 0,
 ) -> Route | None:
     """The fastest of ``candidates`` by the rules above (``None``: all failed), kept under
-    ``family`` and ``key`` (a ``None`` key keeps nothing); the times go to ``notes``."""
+    ``family`` and ``key`` (a ``None`` key keeps nothing), its times in ``notes``; with
+    ``samples``, a chunked route is priced over that many in whole chunks."""
     if len(candidates) < 2:  # nothing to choose between
         return next(iter(candidates), None)
-    devices = list(devices)
-    limit = GROWTH * candidates[0].workset
+    devices, limit = list(devices), GROWTH * candidates[0].workset
     heavy = [r.name for r in candidates if limit and r.workset > limit]
     trial = [r for r in candidates if r.name not in heavy]
     if heavy:
         notes.append(f"tune: not timed, over {GROWTH}x the first route's working set: {heavy}")
     times: dict[int, float] = {}
     for i, r in enumerate(trial):
-        if (r.warm_up or r.run)() is None:
-            continue
-        if (t := _time(r, devices)) is not None:
+        if (r.warm_up or r.run)() is not None and (t := _time(r, devices)) is not None:
             times[i] = t
     fastest = min(times.values(), default=0.0)
     for i in [i for i, t in times.items() if t <= RETIME * fastest]:
@@ -109,7 +96,10 @@ def tune(
             times[i] = min(times[i], t)
     if not times:
         return None
-    costs = {i: t * trial[i].units for i, t in times.items()}
+    costs = {
+        i: t * (-(-samples // c) * c if samples and (c := trial[i].chunk) else 1)
+        for i, t in times.items()
+    }
     chosen = trial[min(i for i, c in costs.items() if c <= TIE * min(costs.values()))]
     if key is not None:
         _remember(_digest(family, key), [chosen.name, chosen.chunk])
@@ -127,8 +117,7 @@ def _time(route: Route, devices: list[torch.device]) -> float | None:
 
 
 def decided(family: str, key: Any) -> tuple[str, int | None] | None:
-    """The route name and chunk :func:`tune` chose for ``family`` and ``key`` (here or in a
-    file read), or ``None``."""
+    """The route name and chunk :func:`tune` chose for ``family`` and ``key``, or ``None``."""
     found = None if key is None else _DECISIONS.get(_digest(family, key))
     return None if found is None else tuple(found)  # type: ignore[return-value]
 
@@ -159,19 +148,11 @@ def environment() -> tuple[Any, ...]:
     return (__version__, torch.__version__, torch.get_num_threads(), cpu, cuda)
 
 
-def _plain(x: Any) -> Any:
-    """``x`` as text that means the same in another process (no object addresses)."""
-    if isinstance(x, weakref.ref):
-        x = x()
-    if isinstance(x, (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
-        return f"{x.__module__}.{x.__qualname__}"
-    if isinstance(x, (tuple, list)):
-        return tuple(_plain(v) for v in x)
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(x))
-
-
 def _digest(family: str, key: Any) -> str:
-    return hashlib.sha256(repr((family, _plain(key), environment())).encode()).hexdigest()
+    """The key as text that means the same in another process (object addresses dropped:
+    types and functions stand by their names), hashed with :func:`environment`."""
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", repr((family, key, environment())))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 _FORMAT = "multiscale_jac.tuning/2"
@@ -179,9 +160,7 @@ _FORMAT = "multiscale_jac.tuning/2"
 
 def save(path: str | os.PathLike[str]) -> int:
     """Write every choice kept (made here or read) to ``path``; returns how many."""
-    tmp = Path(path).with_suffix(Path(path).suffix + ".tmp")
-    tmp.write_text(json.dumps({"format": _FORMAT, "decisions": dict(_DECISIONS)}))
-    os.replace(tmp, path)
+    Path(path).write_text(json.dumps({"format": _FORMAT, "decisions": dict(_DECISIONS)}))
     return len(_DECISIONS)
 
 

@@ -249,8 +249,7 @@ PROBE_SAMPLES = 8
 
 
 class _RouteTiming:
-    """``tune=True`` (the half of :class:`_EngineRun` that times routes): every route
-    ``auto`` chooses between, timed on the run's first samples."""
+    """``tune=True``: every route ``auto`` chooses between, timed on the run's first samples."""
 
     fn: PerSampleFunction
     packed: PackedBatch
@@ -260,8 +259,8 @@ class _RouteTiming:
     trial: dict[tuple[Strategy, Mode, Entries], VectorPlan] | None
 
     def candidates(self, ran: Strategy, plan: VectorPlan) -> None:
-        """Under ``tune=True``, plan every route (strategy x mode x entries; one that cannot
-        plan is no candidate), the estimate's choice first, for :meth:`try_routes`."""
+        """Under ``tune=True``, plan every route that can (strategy x mode x entries), the
+        estimate's choice first, for :meth:`try_routes`."""
         o = self.options
         if o.tune is not Tune.MEASURE:
             return
@@ -279,10 +278,9 @@ class _RouteTiming:
         self.trial = plans if len(plans) > 1 else None
 
     def try_routes(self) -> tuple[tuple[Tensor, Tensor], set[int], Strategy, VectorPlan]:
-        """Time each route of :meth:`candidates` on the same first :data:`PROBE_SAMPLES` of
-        the largest bucket (all singletons: the smallest samples), warmed up on one (the
-        estimate's choice may hold the default working set); their Jacobians stay in the
-        result. Returns the result buffers, the samples done and the route chosen."""
+        """Time each route on the same first :data:`PROBE_SAMPLES` of the largest bucket (all
+        singletons: the smallest samples), warmed up on one, their Jacobians kept; returns
+        the result buffers, the samples done and the route chosen."""
         plans, self.trial = self.trial or {}, None
         into = _buffers(list(plans.values()), self.fn)
         bucket = max(self.packed.buckets(), key=lambda b: len(b.indices)).indices
@@ -304,10 +302,11 @@ class _RouteTiming:
 
         first, p0 = next(iter(plans.items()))
         routes = [
-            Route(_route(k), partial(run, k, idx), None, 1, p.workset) for k, p in plans.items()
+            Route(
+                _route(k), partial(run, k, idx), workset=p.workset, warm_up=partial(run, k, idx[:1])
+            )
+            for k, p in plans.items()
         ]
-        for r, k in zip(routes, plans, strict=True):
-            r.warm_up = partial(run, k, idx[:1])
         routes[0].workset = max(p0.workset, default_workset(p0.device))
         chosen = tune("engine", self.key, routes, devices=[p0.device], notes=self.notes)
         best = next((k for k in plans if chosen and _route(k) == chosen.name), None)
@@ -319,16 +318,13 @@ class _RouteTiming:
     def recalled(self) -> tuple[Strategy, VectorPlan | None] | None:
         """The route ``tune=True`` chose before for these shapes, planned (``None``: none)."""
         chosen = None if self.options.tune is Tune.ESTIMATE else decided("engine", self.key)
-        key = next((k for k in _ROUTES if chosen and _route(k) == chosen[0]), None)
-        if key is None:
+        if chosen is None:
             return None
-        self.options = dataclasses.replace(self.options, mode=key[1], entries=key[2])
+        strategy, mode, *entries = chosen[0].split("/")  # (as :func:`_route` names it)
+        entry = Entries(entries[0] if entries else "auto")
+        self.options = dataclasses.replace(self.options, mode=Mode(mode), entries=entry)
         self.notes.append(f"plan: {chosen[0]}, chosen by tune=True before for these shapes")
-        return self.plan(key[0])
-
-
-#: every route ``tune=True`` may choose (:func:`_route` names them)
-_ROUTES = [(s, m, e) for s in Strategy for m in (Mode.REV, Mode.FWD) for e in Entries]
+        return self.plan(Strategy(strategy))
 
 
 def _vmap_failure(fn: PerSampleFunction, packed: PackedBatch, randomness: Randomness) -> str | None:

@@ -307,9 +307,8 @@ def _batch_loss(
 
 
 class _FisherTuning:
-    """``method="auto"``'s choice between the layer-wise run (the default) and ``vmap``: the
-    one ``tune=True`` chose before for these shapes, or under ``tune=True`` timed on the
-    first batch. A part of :class:`_FisherRun`, whose state and runs it uses."""
+    """``method="auto"``'s choice between the layer-wise run (the default) and ``vmap`` that
+    ``tune=True`` makes on the first batch and recalls after (a part of :class:`_FisherRun`)."""
 
     opts: _Options
     prep: Prepared
@@ -340,11 +339,9 @@ class _FisherTuning:
         self.lw_chunk = chunk if layerwise and not self.opts.chunk else None
 
     def _tune(self, fn: PerSampleFunction, packed: PackedBatch, targets: list[Tensor]) -> bool:
-        """Under ``tune=True`` on the first batch: the batch runs layer-wise (counted), then
-        each route runs the largest bucket's first chunk, its result dropped: layer-wise in
-        chunks of up to :data:`_LAYERWISE_CHUNK` and :data:`_VMAP_CHUNK` samples (or the
-        chunk asked for), then ``vmap``, compared over the bucket in whole chunks. Returns
-        whether it ran the batch."""
+        """Under ``tune=True`` on the first batch: it runs layer-wise (counted), then layer-wise
+        at :data:`_LAYERWISE_CHUNK` and :data:`_VMAP_CHUNK` (or the chunk asked for) and
+        ``vmap`` on the largest bucket's first chunk, dropped. Whether it ran the batch."""
         if not self._choosing():
             return False
         self.tuned = True
@@ -360,12 +357,9 @@ class _FisherTuning:
         self._trial = (packed, idx, fn, targets, plan)
         pairs = [(FisherMethod.LAYERWISE, c) for c in dict.fromkeys(sizes)]
         pairs.append((FisherMethod.VMAP, min(n, vmap_chunk)))
-        routes = [
-            Route(f"{m.value}/{c}", partial(self._dropped, m, c), c, -(-n // c) * c)
-            for m, c in pairs
-        ]
+        routes = [Route(f"{m.value}/{c}", partial(self._dropped, m, c), c) for m, c in pairs]
         routes[0].warm_up = int  # the batch ran it
-        chosen = tune("diag_fisher", self.key, routes, devices=self.devices, notes=self.notes)
+        chosen = tune("diag_fisher", self.key, routes, self.devices, self.notes, samples=n)
         if chosen is not None:
             self._take(chosen.name, chosen.chunk, plan)
         return True
@@ -374,8 +368,8 @@ class _FisherTuning:
         """``method`` on the bucket's first ``chunk`` samples, the result dropped (the random
         state, the generator and the loss sum as before): the samples (``None``: failed)."""
         packed, idx, fn, targets, plan = self._trial
-        idx, saved = idx[:chunk], (self.plan, self.chunks)
-        sub, layerwise = packed.select(idx), method is FisherMethod.LAYERWISE
+        idx, saved, layerwise = idx[:chunk], (self.plan, self.chunks), method.value == "layerwise"
+        sub = packed.select(idx)
         self.plan, self.chunks = (plan, (chunk, chunk)) if layerwise else (None, (None, chunk))
         generator, self.loss.paused = self.opts.generator, True
         state = None if generator is None else generator.get_state()

@@ -395,8 +395,7 @@ class _Job:
         return found
 
     def tune(self, tune: Tune) -> None:
-        """Under ``method="auto"``: the route ``tune=True`` chose before for these shapes;
-        else under ``tune=True`` the routes are timed on the run (:meth:`_try_routes`)."""
+        """``method="auto"``: the route ``tune=True`` chose before, or it times them now."""
         if self.requested is not JacNormMethod.AUTO or tune is Tune.ESTIMATE:
             return
         if (chosen := decided("jacobian_sq_norm", self.key)) is not None:
@@ -409,11 +408,9 @@ class _Job:
         self._chunk_of[self.method] = chunk or self.chunk_for(self.method)
 
     def _try_routes(self) -> None:
-        """Time each route on the first chunk of the largest bucket, results dropped,
-        compared over the bucket in whole chunks, the larger chunk first (ties: fewer
-        calls): each method at its chunk (``layerwise`` at no more than ``vmap``'s), ``vmap``
-        also at a larger chunk (:meth:`_larger`) and at half its chunk (from
-        :data:`_HALF_CHUNK_FROM` samples). The fastest runs the job."""
+        """Time each method at its chunk (``layerwise`` at most ``vmap``'s; ``vmap`` also at
+        :meth:`_larger` and half its chunk) on the largest bucket's first chunk, dropped, the
+        larger chunk first (ties: fewer calls); the fastest runs the job."""
         self.trial = False
         bucket = list(max(self.packed.buckets(), key=lambda b: len(b.indices)).indices)
         n, chunks = len(bucket), []
@@ -424,20 +421,17 @@ class _Job:
                     c = min(c, self.chunk_for(JacNormMethod.VMAP))
                 more = [self._larger(c, n), c, *([c // 2] if c >= _HALF_CHUNK_FROM else [])]
                 chunks += [(m, min(k, n)) for k in (more if m is JacNormMethod.VMAP else [c])]
+        chunks = sorted(dict.fromkeys(chunks), key=lambda r: -r[1])
         routes = [
-            Route(f"{m.value}/{c}", partial(self._dropped, m, bucket[:c]), c, -(-n // c) * c)
-            for m, c in sorted(dict.fromkeys(chunks), key=lambda r: -r[1])
+            Route(f"{m.value}/{c}", partial(self._dropped, m, bucket[:c]), c) for m, c in chunks
         ]
         with torch.random.fork_rng(devices=self.devices):
-            chosen = tune(
-                "jacobian_sq_norm", self.key, routes, devices=self.devices, notes=self.notes
-            )
+            chosen = tune("jacobian_sq_norm", self.key, routes, self.devices, self.notes, samples=n)
         if chosen is not None:
             self._take(chosen.name, chosen.chunk)
 
     def _dropped(self, method: JacNormMethod, idx: list[int]) -> float | None:
-        """One chunk of ``method`` on ``idx``, its result dropped: the samples (``None``:
-        failed, noted)."""
+        """``method`` on ``idx`` in one chunk, dropped: the samples (``None``: failed, noted)."""
         try:
             self._route(method)(True, [(idx[0], idx)])
         except (RuntimeError, NotLayerwiseError) as err:  # not a candidate after all
@@ -446,11 +440,9 @@ class _Job:
         return len(idx)
 
     def _larger(self, chunk: int, largest: int) -> int:
-        """The larger chunk ``vmap`` is also timed at: up to :data:`GROWTH` times ``chunk``,
-        splitting the ``largest`` bucket evenly, within the route's default bytes and on CPU
-        :func:`~multiscale_jac._memory.cpu_chunk_cap` (32 samples a chunk ran 1.4x slower
-        than 16 on a 3-conv CNN, where a per-sample gradient crossed it); ``chunk`` where
-        ``chunk_size`` or ``memory_budget`` is given."""
+        """Up to :data:`GROWTH` x ``chunk`` splitting the ``largest`` bucket evenly, within the
+        route's bytes and :func:`~multiscale_jac._memory.cpu_chunk_cap`; ``chunk`` itself
+        where ``chunk_size`` or ``memory_budget`` is given."""
         chunk_size, budget, dtype = self._sizing
         bytes_cap = JACNORM_VMAP_BYTES // max(1, self._row_grads_bytes(dtype))
         most = min(GROWTH * chunk, largest, bytes_cap)

@@ -489,14 +489,11 @@ class LayerwiseRun:
             del cols
 
     def _kernel(self, s: _Site, m: nn.Module, a: Tensor, g: Tensor, ck: int) -> int:
-        """How a convolution's ``per_sample`` rule forms ``G_i`` (no graph): ``0`` by columns
-        (im2col and ``bmm``), ``c > 0`` by grouped convolutions over ``c`` samples at a time
-        (:func:`_conv_weight_grads`). Neither wins everywhere (on 2 CPU cores the grouped
-        convolution took 0.35x the columns' time at 16 input channels per sample and 3-10x
-        past about 2,000 channels per call), so where a layer is large enough for it to
-        matter the candidates are timed once per layer shape and size class under
-        ``tune=True`` (:func:`~multiscale_jac._tuning.tune`), which ``tune="auto"`` then
-        runs. Columns below that size, with a graph, and where nothing was measured."""
+        """How a convolution's ``per_sample`` rule forms ``G_i`` (no graph): ``0`` by columns,
+        ``c > 0`` by grouped convolutions over ``c`` samples a call (0.35x the columns' time
+        at 16 input channels a sample on 2 CPU cores, 3-10x past about 2,000 channels a call):
+        timed per layer shape and size class under ``tune=True``, that choice run by ``auto``
+        after; columns for small layers, with a graph and where nothing was timed."""
         if self.create_graph or not isinstance(m, _CONV) or self.tune is Tune.ESTIMATE:
             return 0
         n, co = g.shape[:2]
@@ -513,11 +510,11 @@ class LayerwiseRun:
             return 0
         most = min(self._chunk(n, co * ck, g), max(1, GROUPED_CHANNELS // max(co, a.shape[1])))
         before = self._sums.pop(s.name, None)
-        routes = [  # columns first: a tie never trades the sure kernel for a cliff
-            Route(
-                f"grouped/{k}" if k else "columns", functools.partial(self._trial, s, m, a, g, k), k
-            )
-            for k in sorted({0, most, max(1, most // 4)})
+        trial = functools.partial(self._trial, s, m, a, g)
+        kernels = sorted({0, most, max(1, most // 4)})  # columns first: ties keep the sure one
+        routes = [
+            Route(f"grouped/{k}" if k else "columns", functools.partial(trial, k), k)
+            for k in kernels
         ]
         best = tune("layerwise_kernel", key, routes, devices=[a.device], notes=[])
         self._sums.pop(s.name, None)

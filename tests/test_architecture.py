@@ -302,3 +302,36 @@ def test_only_the_memory_model_holds_the_budget_rule_and_byte_constants() -> Non
 def test_the_budget_check_can_fail() -> None:
     tree = ast.parse("X_BYTES = 8 * 2**20\ndef f():\n    raise MemoryBudgetError(1, 2, 'x')\n")
     assert sorted(line for line, _ in _budget_errors_and_byte_constants(tree)) == [1, 1, 3]
+
+
+#: what measures (``tune=True``) and calibrates: whole modules, and the parts of others that
+#: hand ``_tuning.tune`` their routes or recall its choice (classes, or methods of a class)
+TUNING_CODE = {
+    "_tuning": None,
+    "_calibration": None,
+    "engine": ("_RouteTiming",),
+    "fisher": ("_FisherTuning",),
+    "jacnorm": ("_Job.tune", "_Job._take", "_Job._try_routes", "_Job._dropped", "_Job._larger"),
+    "layerwise": ("LayerwiseRun._kernel", "LayerwiseRun._trial"),
+}
+
+
+def _span(tree: ast.Module, dotted: str) -> int:
+    """Lines of the class or ``Class.method`` named ``dotted`` in ``tree``."""
+    nodes: list[ast.stmt] = tree.body
+    for part in dotted.split("."):
+        (node,) = [n for n in nodes if getattr(n, "name", None) == part]
+        nodes = getattr(node, "body", [])
+    return node.end_lineno - node.lineno + 1  # type: ignore[operator]
+
+
+def test_tuning_and_calibration_stay_small() -> None:
+    """Measuring and calibrating take at most 600 lines of the package (they took about
+    1,530 when every default call could time routes)."""
+    lines = 0
+    for module, parts in TUNING_CODE.items():
+        if parts is None:
+            lines += len(_files()[module].read_text().splitlines())
+        else:
+            lines += sum(_span(_modules()[module], p) for p in parts)
+    assert 100 < lines <= 600, lines

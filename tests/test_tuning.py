@@ -85,17 +85,14 @@ def test_ties_go_to_the_earlier_route(fake_clock, times, chosen) -> None:
     assert _tuning.decided("f", None) is None  # a None key keeps nothing
 
 
-def test_units_weigh_the_time_per_sample(fake_clock) -> None:
-    """A route is compared by seconds per sample times its ``units`` (whole chunks over the
-    job): the faster per sample loses where its chunks waste samples."""
+def test_chunked_routes_are_priced_in_whole_chunks(fake_clock) -> None:
+    """With ``samples``, a chunked route costs seconds per sample times the samples its whole
+    chunks run: 0.9 per sample in chunks of 64 (128 of 100 samples) loses to 1.0 in chunks
+    of 100."""
     seconds = {"big": [0.0, 1.0, 1.0], "small": [0.0, 0.9, 0.9]}
-    fields = {"big": {"units": 100}, "small": {"units": 128}}
-    assert (
-        _tuning.tune(
-            "f", None, _routes(seconds, [], fake_clock, **fields), devices=[], notes=[]
-        ).name
-        == "big"
-    )
+    fields = {"big": {"chunk": 100}, "small": {"chunk": 64}}
+    routes = _routes(seconds, [], fake_clock, **fields)
+    assert _tuning.tune("f", None, routes, [], [], samples=100).name == "big"
 
 
 def test_a_route_over_growth_or_already_warm_is_not_run_untimed(fake_clock) -> None:
@@ -252,14 +249,15 @@ def test_tune_false_never_probes_a_kernel(monkeypatch) -> None:
 
 
 def test_the_clock_is_read_in_tuning_alone() -> None:
-    """One place measures: no other module of the package reads a clock."""
+    """One place measures: no other module of the package reads a clock (they time through
+    ``_tuning.stopwatch``)."""
     package = ROOT / "multiscale_jac"
     readers = [
         str(p.relative_to(package))
         for p in sorted(package.rglob("*.py"))
         if p.name != "_tuning.py"
         and any(
-            w in p.read_text() for w in ("perf_counter", "stopwatch(", "monotonic(", "time.time(")
+            w in p.read_text() for w in ("perf_counter", "monotonic(", "time.time(", "process_time")
         )
     ]
     assert readers == []
