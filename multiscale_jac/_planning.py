@@ -377,12 +377,13 @@ def choose_mode(
     work: Work = NO_WORK,
     calls: dict[str, int] | None = None,
     dtype: torch.dtype = torch.float32,
+    fwd_calls: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[Mode, tuple[str, ...], dict[str, float]]:
     """Pick ``rev``/``fwd`` (when ``mode`` is ``auto``) and the tensors that run structured,
     by the cost model of ``docs/entries.md`` on the :func:`survey`'s per-tangent work, the
     forward pass's ``work`` (ops, flops and elements of one sample) and each mode's
-    vectorised ``calls`` (default: one a selected tensor in fwd, one in rev;
-    ``fwd_structured``: in fwd where tensors run structured), priced on this
+    vectorised ``calls`` (default: one a selected tensor in fwd, one in rev; ``fwd_calls``:
+    per tensor, its span's fwd calls with generic and with structured entries), priced on this
     machine (:func:`~multiscale_jac._calibration.machine`).
 
     Returns the mode, the structured tensors (in fwd: those whose structured tangent, priced
@@ -416,9 +417,11 @@ def choose_mode(
     dense = max((tangent(ec, False) for ec in costs.values()), default=0.0)
     rev_work = outputs * (2 * dense + sum(numel.values()) * m.elem_s)
     calls = calls or {"fwd": passes, "rev": 1}
-    fwd_calls = calls.get("fwd_structured", calls["fwd"]) if any(use.values()) else calls["fwd"]
+    n_fwd = calls["fwd"]
+    if fwd_calls is not None:
+        n_fwd = sum(fwd_calls[n][1] if use[n] else fwd_calls[n][0] for n in costs)
     est = {  # every fwd pass (one a selected tensor) runs the primal forward pass again
-        "fwd": fwd_calls * m.overhead(work, "jvp")
+        "fwd": n_fwd * m.overhead(work, "jvp")
         + samples * (m.pass_seconds(work, passes) + fwd_work),
         "rev": calls["rev"] * (m.overhead(work, "fwd") + m.overhead(work, "vjp"))
         + samples * (m.pass_seconds(work) + rev_work),
@@ -655,10 +658,8 @@ def _pick_mode(
         device=device,
         tensor_numel=tensor_numel,
         work=measured[0].footprint.work,
-        calls={
-            **{m.value: _calls(fn, measured, m, costs, options) for m in (Mode.FWD, Mode.REV)},
-            "fwd_structured": _calls(fn, measured, Mode.FWD, costs, options, structurable),
-        },
+        calls={m.value: sum(_calls(fn, measured, m, costs, options)) for m in (Mode.FWD, Mode.REV)},
+        fwd_calls=_fwd_calls(fn, measured, costs, options, structurable),
         dtype=fn.values()[0].dtype,
     )
     if chosen is Mode.REV:
@@ -686,18 +687,37 @@ def _calls(
     costs: dict[str, EntryCost],
     options: EngineOptions,
     structured: tuple[str, ...] = (),
-) -> int:
-    """The vectorised calls a plan of ``mode`` makes without a budget (generic entries but
-    ``structured``; in fwd one set a tangent span): the memory model's samples per call,
-    which a wide reverse step, or a generic forward tangent of a whole tensor, can bring down
-    to one."""
+) -> list[int]:
+    """The vectorised calls a plan of ``mode`` makes without a budget, per step (generic
+    entries but ``structured``; in fwd one step a tangent span): the memory model's samples
+    per call, which a wide reverse step, or a generic forward tangent of a whole tensor, can
+    bring down to one."""
     spans = tangent_groups(fn.subset, mode, options.randomness)
     like = fn.values()[0]
-    return sum(
-        -(-len(g.indices) // plan_chunks(g, mode, step, options.chunk_size, None, like).samples)
+    return [
+        sum(
+            -(-len(g.indices) // plan_chunks(g, mode, step, options.chunk_size, None, like).samples)
+            for g in measured
+        )
         for step in _steps(fn, measured, mode, spans, structured, costs, False)
-        for g in measured
-    )
+    ]
+
+
+def _fwd_calls(
+    fn: PerSampleFunction,
+    measured: list[Group],
+    costs: dict[str, EntryCost],
+    options: EngineOptions,
+    structurable: tuple[str, ...],
+) -> dict[str, tuple[int, int]] | None:
+    """Per selected tensor, the fwd calls of its tangent span with generic and with
+    structured entries (``None`` where the spans are not one per tensor)."""
+    names = fn.subset.names
+    generic = _calls(fn, measured, Mode.FWD, costs, options)
+    structured = _calls(fn, measured, Mode.FWD, costs, options, structurable)
+    if len(generic) != len(names) or len(structured) != len(names):
+        return None
+    return {n: (g, s) for n, g, s in zip(names, generic, structured, strict=True)}
 
 
 def _steps(
