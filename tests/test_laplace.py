@@ -225,7 +225,7 @@ def test_log_marginal_likelihood_matches_dense_formula(case_id: str, likelihood:
         - 0.5 * float(torch.linalg.slogdet(post)[1])
     )
     assert float(la.log_marginal_likelihood()) == pytest.approx(expected, abs=1e-9)
-    # arguments override without changing the stored values
+    # an argument is stored, as laplace-torch stores it, and evaluated at
     other = la.log_marginal_likelihood(prior_precision=3.0)
     post3 = h / sigma**2 + 3.0 * torch.eye(p, dtype=DTYPE)
     exp3 = (
@@ -235,6 +235,9 @@ def test_log_marginal_likelihood_matches_dense_formula(case_id: str, likelihood:
         - 0.5 * float(torch.linalg.slogdet(post3)[1])
     )
     assert float(other) == pytest.approx(exp3, abs=1e-9)
+    assert float(la.log_marginal_likelihood()) == pytest.approx(exp3, abs=1e-9)
+    assert la.prior_precision.tolist() == [3.0]
+    la.prior_precision = prior.tolist()
     assert float(la.log_marginal_likelihood()) == pytest.approx(expected, abs=1e-9)
 
 

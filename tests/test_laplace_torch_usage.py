@@ -278,7 +278,7 @@ def test_all_weights_diag_regression_usage(hessian: str) -> None:
     ll = -loss / sigma_noise**2 - n_out * math.log(sigma_noise * math.sqrt(2 * math.pi))
     lml = ll - 0.5 * (p_post.log().sum() - theta.numel() * math.log(prior) + prior * theta @ theta)
     assert float(la.log_marginal_likelihood()) == pytest.approx(float(lml), abs=TOL)
-    # differentiable in both hyperparameters, evaluated without storing them
+    # differentiable in both hyperparameters, stored as laplace-torch stores them
     prec = torch.tensor(1.5, dtype=DTYPE, requires_grad=True)
     sig = torch.tensor(0.8, dtype=DTYPE, requires_grad=True)
     ml = la.log_marginal_likelihood(prec, sig)
@@ -290,7 +290,9 @@ def test_all_weights_diag_regression_usage(hessian: str) -> None:
     grads = torch.autograd.grad(ref, [prec, sig])
     assert float(prec.grad) == pytest.approx(float(grads[0]), abs=TOL)
     assert float(sig.grad) == pytest.approx(float(grads[1]), abs=TOL)
-    assert la.prior_precision.shape == (1,) and float(la.prior_precision) == prior
+    assert la.prior_precision.shape == (1,) and float(la.prior_precision) == 1.5
+    assert float(la.sigma_noise) == 0.8
+    la.prior_precision, la.sigma_noise = prior, sigma_noise  # back to the predictive's values
     # the GLM predictive: f_var = J diag(Sigma) J^T per sample
     assert f_mu.shape == (3, 2) and f_var.shape == (3, 2, 2)
     for i, (o, j) in enumerate(zip(*jacobians(model, [xi[None] for xi in x]))):
@@ -337,6 +339,55 @@ def test_gridsearch_usage() -> None:
     assert la.prior_precision.shape == (1,)
     torch.testing.assert_close(la.prior_precision, best.reshape(1), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(pred, probs_at(best), atol=TOL, rtol=0)
+
+
+def test_the_hyperparameter_loop_of_laplace_torchs_regression_example() -> None:
+    """laplace-torch's regression example tunes ``log_prior`` and ``log_sigma`` with Adam on
+    ``la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())``, then reads
+    ``la.sigma_noise.item()``: the call stores both values (the last step's), ``sigma_noise``
+    is a tensor, and the state saved holds the tuned values."""
+    model = mlp(1, seed=13)
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(20, 4, generator=g, dtype=DTYPE)
+    y = torch.sin(x.sum(1, keepdim=True)) + 0.3 * torch.randn(20, 1, generator=g, dtype=DTYPE)
+    la = Laplace(
+        model, "regression", subset_of_weights="all", hessian_structure="full"
+    )  # laplace-torch
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=5))  # laplace-torch
+    assert isinstance(la.sigma_noise, torch.Tensor) and la.sigma_noise.item() == 1.0
+    log_prior = torch.ones(1, requires_grad=True, dtype=DTYPE)  # laplace-torch
+    log_sigma = torch.ones(1, requires_grad=True, dtype=DTYPE)  # laplace-torch
+    hyper_optimizer = torch.optim.Adam([log_prior, log_sigma], lr=1e-1)  # laplace-torch
+    for _ in range(20):  # laplace-torch
+        hyper_optimizer.zero_grad()  # laplace-torch
+        neg_marglik = -la.log_marginal_likelihood(log_prior.exp(), log_sigma.exp())  # laplace-torch
+        neg_marglik.backward()  # laplace-torch
+        hyper_optimizer.step()  # laplace-torch
+    sigma, prior = la.sigma_noise.item(), la.prior_precision  # laplace-torch reads them
+    assert sigma != 1.0 and float(prior) != 1.0  # the last evaluation's (one Adam step back)
+    state = la.state_dict()
+    assert float(state["sigma_noise"]) == sigma
+    torch.testing.assert_close(
+        torch.as_tensor(state["prior_precision"]).reshape(-1), prior.detach().reshape(-1)
+    )
+
+
+def test_optimize_prior_precision_takes_laplace_torchs_positional_pred_type() -> None:
+    """``la.optimize_prior_precision(PredType.GLM)`` (laplace-torch's first parameter is
+    ``pred_type``): read as the predictive type, the method ``marglik``; ``pred_type`` given
+    twice differently is refused with both values."""
+    model = mlp(3, seed=15)
+    x, y = classification_data(12, seed=16)
+    loader = DataLoader(TensorDataset(x, y), batch_size=6)
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="diag")
+    la.fit(loader)
+    la.optimize_prior_precision("glm", n_steps=20)  # laplace-torch's order
+    ref = Laplace(model, "classification", subset_of_weights="all", hessian_structure="diag")
+    ref.fit(loader)
+    ref.optimize_prior_precision(method="marglik", pred_type="glm", n_steps=20)
+    torch.testing.assert_close(la.prior_precision, ref.prior_precision, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="pred_type given twice"):
+        la.optimize_prior_precision("nn", pred_type="glm")
 
 
 def test_gridsearch_with_a_callable_loss_on_regression() -> None:
@@ -578,3 +629,14 @@ def test_model_keyword_arguments_reach_the_forward() -> None:
         la(x, scale=torch.ones(5, 1))
     with pytest.raises(ValueError, match="link_approx='mc'"):
         la(x, pred_type="nn", scale=2.0)  # laplace-torch's rule, for regression too
+
+
+def test_laplace_torchs_base_classes_answer_isinstance() -> None:
+    """``BaseLaplace`` and ``ParametricLaplace`` (laplace-torch's names, for ``isinstance``
+    and type hints) hold every posterior the front door builds."""
+    from multiscale_jac.laplace import BaseLaplace, ParametricLaplace
+
+    model = mlp(3, seed=17)
+    for structure in ("full", "diag", "kron"):
+        la = Laplace(model, "classification", "all", structure)
+        assert isinstance(la, BaseLaplace) and isinstance(la, ParametricLaplace), structure

@@ -50,16 +50,24 @@ The parts, one module each (private; the names above are the public ones):
 
 from __future__ import annotations
 
+from ._base import LaplaceBase
 from ._diag import DiagLaplace
 from ._frontdoor import Laplace
 from ._kronlaplace import KronLaplace
 from ._predictive import GLMPredictive
 from ._subnet import SubnetLaplace
 
+#: laplace-torch's base classes, for ``isinstance`` and type hints: every posterior here is
+#: parametric (a Gaussian over weights), so both name the one base
+BaseLaplace = ParametricLaplace = LaplaceBase
+
 __all__ = [
+    "BaseLaplace",
     "DiagLaplace",
     "GLMPredictive",
     "KronLaplace",
     "Laplace",
+    "LaplaceBase",
+    "ParametricLaplace",
     "SubnetLaplace",
 ]

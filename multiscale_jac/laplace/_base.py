@@ -197,10 +197,11 @@ class LaplaceBase:
             self._likelihood = Likelihood.REGRESSION
 
     @property
-    def sigma_noise(self) -> float | Tensor:
-        """The Gaussian noise scale (regression; 1 for classification): a number, or a 0-d
-        tensor where one was given (a tensor of one value is kept as one, e.g. a tuned noise
-        that requires grad). Assigning it resets the cached posterior scale."""
+    def sigma_noise(self) -> Tensor:
+        """The Gaussian noise scale (regression; 1 for classification), a 0-d tensor as
+        laplace-torch's (a tensor given is kept as it is, e.g. a tuned noise that requires
+        grad; a number becomes one of the MAP's dtype). Assigning it resets the cached
+        posterior scale."""
         return self._sigma_noise
 
     @sigma_noise.setter
@@ -208,6 +209,8 @@ class LaplaceBase:
         noise = check_noise(value, "sigma_noise")
         if self.likelihood is Likelihood.CLASSIFICATION and float(noise) != 1.0:
             raise ValueError(f"sigma_noise must be 1 for classification; got {value!r}")
+        if not isinstance(noise, Tensor):
+            noise = torch.tensor(noise, dtype=self._map.dtype, device=self._map.device)
         self._sigma_noise = noise
         self._scale = None
 

@@ -81,17 +81,20 @@ class MarginalLikelihood(Posterior):
         """The Laplace approximation of ``log p(D)``; differentiable in tensor arguments.
 
         Args:
-            prior_precision: Evaluates at this prior precision instead of the stored one (any
-                form the constructor takes; a tensor that requires grad keeps the graph). The
-                stored value is not changed (laplace-torch stores it).
-            sigma_noise: Evaluates at this noise scale (regression only), likewise.
+            prior_precision: Stored first, as laplace-torch does (any form the constructor
+                takes; a tensor that requires grad keeps the graph), then evaluated at.
+            sigma_noise: Stored first likewise (regression only).
 
         Returns:
             A scalar tensor.
         """
         if sigma_noise is not None and self.likelihood is not Likelihood.REGRESSION:
             raise ValueError("sigma_noise can only be changed for regression")
-        prior = self._prior(prior_precision)
+        if prior_precision is not None:
+            self.prior_precision = prior_precision
+        if sigma_noise is not None:
+            self.sigma_noise = sigma_noise
+        prior = self.prior_precision_diag
         logdet_post = self._posterior_logdet(prior, sigma_noise)
         logdet_prior = prior.log().sum()
         delta = self.mean - self.prior_mean
@@ -100,9 +103,9 @@ class MarginalLikelihood(Posterior):
 
     def optimize_prior_precision(
         self,
-        method: str | TuningMethod = "marglik",
-        *,
-        pred_type: str | PredType = "glm",
+        *choices: str | TuningMethod | PredType,
+        method: str | TuningMethod | None = None,
+        pred_type: str | PredType | None = None,
         n_steps: int = 100,
         lr: float = 0.1,
         init_prior_prec: Any = 1.0,
@@ -120,10 +123,12 @@ class MarginalLikelihood(Posterior):
         """Tune the prior precision, as laplace-torch does, and store it.
 
         Args:
-            method: ``marglik`` (Adam on the log prior precision, maximising the log marginal
-                likelihood) or ``gridsearch`` (the validation loss at ``grid_size`` values
-                ``logspace(log_prior_prec_min, log_prior_prec_max)``; the smallest wins).
-            pred_type: ``glm`` or ``nn``, the predictive the grid search scores.
+            *choices: ``method`` and ``pred_type`` by position in either order, each read by its
+                value (``("gridsearch")`` here, laplace-torch's ``(PredType.GLM, "gridsearch")``).
+            method: ``marglik`` (default: Adam on the log prior precision, maximising the log
+                marginal likelihood) or ``gridsearch`` (the validation loss at ``grid_size``
+                values ``logspace(log_prior_prec_min, log_prior_prec_max)``; the least wins).
+            pred_type: ``glm`` (default) or ``nn``, the predictive the grid search scores.
             n_steps: Adam steps (``marglik``).
             lr: Adam learning rate (``marglik``).
             init_prior_prec: Starting value (``marglik``): a number, or a tensor whose shape
@@ -154,8 +159,7 @@ class MarginalLikelihood(Posterior):
             ValueError: an unknown ``method``/``pred_type``/``link_approx``/``prior_structure``,
                 ``gridsearch`` without ``val_loader``, not fitted.
         """
-        method = parse_enum(TuningMethod, method, "method")
-        pred = parse_enum(PredType, pred_type, "pred_type")
+        method, pred = _method_and_pred_type(choices, method, pred_type)
         link = parse_enum(LinkApprox, link_approx, "link_approx")
         structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
         show = check_bool(progress_bar, "progress_bar")
@@ -287,6 +291,35 @@ class MarginalLikelihood(Posterior):
             total -= float(picked[keep].log().sum())
             count += int(keep.sum())
         return total, count
+
+
+def _method_and_pred_type(
+    choices: tuple[Any, ...], method: Any, pred_type: Any
+) -> tuple[TuningMethod, PredType]:
+    """``optimize_prior_precision``'s method and predictive type from its positional
+    ``choices`` (each read by its value: laplace-torch's order puts ``pred_type`` first) and
+    keywords; one given twice, or a third positional, is refused with the values."""
+    given: dict[str, Any] = {"method": method, "pred_type": pred_type}
+    if len(choices) > 2:
+        raise TypeError(
+            f"optimize_prior_precision takes at most 2 positional choices; got {choices!r}"
+        )
+    for value in choices:
+        plain = getattr(value, "value", value)
+        name = "pred_type" if plain in {p.value for p in PredType} else "method"
+        if given[name] is not None:
+            raise ValueError(
+                f"optimize_prior_precision: {name} given twice ({given[name]!r} and {value!r})"
+            )
+        given[name] = plain
+    return (
+        parse_enum(
+            TuningMethod, getattr(given["method"], "value", given["method"] or "marglik"), "method"
+        ),
+        parse_enum(
+            PredType, getattr(given["pred_type"], "value", given["pred_type"] or "glm"), "pred_type"
+        ),
+    )
 
 
 def _cat(parts: Sequence[Any]) -> Any:
