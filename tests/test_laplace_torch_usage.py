@@ -640,3 +640,25 @@ def test_laplace_torchs_base_classes_answer_isinstance() -> None:
     for structure in ("full", "diag", "kron"):
         la = Laplace(model, "classification", "all", structure)
         assert isinstance(la, BaseLaplace) and isinstance(la, ParametricLaplace), structure
+
+
+def test_a_subnetwork_sample_holds_every_parameter() -> None:
+    """laplace-torch's subnetwork Laplace samples every parameter, the others at the MAP
+    (``parameters_to_vector`` order); the class called directly samples its entries."""
+    model = mlp(3, seed=18)
+    x, y = classification_data(12, seed=19)
+    idx = torch.tensor([3, 17, 40, 41, 50])
+    la = Laplace(model, "classification", "subnetwork", "full", subnetwork_indices=idx)
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=6))
+    g = torch.Generator().manual_seed(0)
+    full = la.sample(7, generator=g)
+    theta = parameters_to_vector(model.parameters()).detach()
+    assert full.shape == (7, theta.numel())
+    rest = torch.ones(theta.numel(), dtype=torch.bool)
+    rest[idx] = False
+    torch.testing.assert_close(full[:, rest], theta[rest].expand(7, -1), atol=0, rtol=0)
+    own = mj.SubnetLaplace(model, "classification", mj.ParamSubset.from_flat_indices(model, idx))
+    own.fit(DataLoader(TensorDataset(x, y), batch_size=6))
+    part = own.sample(7, generator=torch.Generator().manual_seed(0))
+    assert part.shape == (7, 5)
+    torch.testing.assert_close(full[:, idx], part, atol=1e-12, rtol=0)

@@ -20,7 +20,7 @@ from torch import Tensor
 from .._checks import check_bool, check_generator, check_positive_int
 from .._stream import raw_output
 from ..adapter import check_model_kwargs
-from ..enums import Likelihood, LinkApprox, PredType, parse_enum
+from ..enums import Likelihood, LinkApprox, PredType, SubsetOfWeights, parse_enum
 from ._curvature import JacobianStream
 from ._posterior import Posterior
 
@@ -58,12 +58,20 @@ class Predictive(Posterior, JacobianStream):
     posterior's form, and samples of the posterior and of the predictive."""
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """``n_samples`` draws ``(n_samples, P)`` from the posterior over the selected entries
-        (laplace-torch's subnetwork Laplace returns every parameter, the rest at the MAP)."""
+        """``n_samples`` draws ``(n_samples, P)`` from the posterior over the selected entries;
+        built by ``Laplace(subset_of_weights="subnetwork")``, every parameter of the model
+        ``(n_samples, parameters_to_vector(model.parameters()).numel())``, the others at the
+        MAP, as laplace-torch's subnetwork Laplace returns them."""
         n = check_positive_int(n_samples, "n_samples")
         generator = check_generator(generator)
         z = torch.randn(n, self.subset.numel, generator=generator, dtype=self.mean.dtype)
-        return self.mean + self._draw(z.to(self.mean.device).T).T
+        draws = self.mean + self._draw(z.to(self.mean.device).T).T
+        if self.subset_of_weights is not SubsetOfWeights.SUBNETWORK:
+            return draws
+        full = torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
+        full = full.to(draws.dtype).repeat(n, 1)
+        full[:, self.subset.flat_indices().to(full.device)] = draws
+        return full
 
     def __call__(
         self,
