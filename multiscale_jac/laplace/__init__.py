@@ -45,7 +45,8 @@ The parts, one module each (private; the names above are the public ones):
 * ``_subnet``, ``_diag``, ``_kronlaplace``: :class:`SubnetLaplace`, :class:`DiagLaplace` and
   :class:`KronLaplace` (K-FAC factors from :func:`~multiscale_jac._kfac.kron_factors`),
   composed of those;
-* ``_frontdoor``: laplace-torch's ``Laplace()`` and its option translation.
+* ``_frontdoor``: laplace-torch's ``Laplace()`` and its option translation;
+* ``_masks``: laplace-torch's subnetwork masks (``LargestMagnitudeSubnetMask`` ...).
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ from ._base import LaplaceBase
 from ._diag import DiagLaplace
 from ._frontdoor import Laplace
 from ._kronlaplace import KronLaplace
+from ._masks import (
+    LargestMagnitudeSubnetMask,
+    LargestVarianceDiagLaplaceSubnetMask,
+    LargestVarianceSWAGSubnetMask,
+    LastLayerSubnetMask,
+    ModuleNameSubnetMask,
+    ParamNameSubnetMask,
+    RandomSubnetMask,
+    ScoreBasedSubnetMask,
+    SubnetMask,
+)
 from ._predictive import GLMPredictive
 from ._subnet import SubnetLaplace
 
@@ -68,6 +80,15 @@ __all__ = [
     "KronLaplace",
     "Laplace",
     "LaplaceBase",
+    "LargestMagnitudeSubnetMask",
+    "LargestVarianceDiagLaplaceSubnetMask",
+    "LargestVarianceSWAGSubnetMask",
+    "LastLayerSubnetMask",
+    "ModuleNameSubnetMask",
+    "ParamNameSubnetMask",
     "ParametricLaplace",
+    "RandomSubnetMask",
+    "ScoreBasedSubnetMask",
     "SubnetLaplace",
+    "SubnetMask",
 ]
