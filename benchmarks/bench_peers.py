@@ -1129,12 +1129,11 @@ def library(tune: Any = None, **kw: Any) -> Prepare:
                 notes = [str(n) for job in jobs for n in job.notes]
                 value = flat_grads(params, [p.grad for p in params])
                 model.zero_grad(set_to_none=True)
-                chose = [n for n in notes if "chose" in n or n.startswith("cached choice")]
-                if chose:
-                    info["method"] = chose[-1].split("chose ")[-1].split(" (")[0]
-                    ran = re.search(r"chose '(\w+)' with (\d+) samples", chose[-1])
-                    if ran:
-                        info["chosen"] = {"method": ran[1], "chunk_size": int(ran[2])}
+                chose = [re.search(r"(?:chose |^plan: )(\w+)/(\d+)", n) for n in notes]
+                ran = next((m for m in reversed(chose) if m), None)  # tune=True's, or recalled
+                if ran:
+                    info["method"] = f"{ran[1]}/{ran[2]}"
+                    info["chosen"] = {"method": ran[1], "chunk_size": int(ran[2])}
                 info["notes"] = [n[:300] for n in notes[:6]]
             else:
                 la = mj.SubnetLaplace(model, "classification", cell.subset, **opts)
