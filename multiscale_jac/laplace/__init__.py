@@ -46,7 +46,8 @@ The parts, one module each (private; the names above are the public ones):
   :class:`KronLaplace` (K-FAC factors from :func:`~multiscale_jac._kfac.kron_factors`),
   composed of those;
 * ``_frontdoor``: laplace-torch's ``Laplace()`` and its option translation;
-* ``_masks``: laplace-torch's subnetwork masks (``LargestMagnitudeSubnetMask`` ...).
+* ``_masks``: laplace-torch's subnetwork masks (``LargestMagnitudeSubnetMask`` ...);
+* ``_marglik_training``: laplace-torch's ``marglik_training`` (on a copy of the model).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from ._base import LaplaceBase
 from ._diag import DiagLaplace
 from ._frontdoor import Laplace
 from ._kronlaplace import KronLaplace
+from ._marglik_training import marglik_training
 from ._masks import (
     LargestMagnitudeSubnetMask,
     LargestVarianceDiagLaplaceSubnetMask,
@@ -91,4 +93,5 @@ __all__ = [
     "ScoreBasedSubnetMask",
     "SubnetLaplace",
     "SubnetMask",
+    "marglik_training",
 ]
