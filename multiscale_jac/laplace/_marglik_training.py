@@ -58,14 +58,14 @@ def marglik_training(
     hessian_structure)`` and takes ``n_hypersteps`` Adam steps (``lr_hyp``) on the log prior
     precision (and log noise) against ``-log_marginal_likelihood``; the copy at the best
     marginal likelihood is kept. ``weight_decay`` in ``optimizer_kwargs`` is set to 0 (the
-    prior is the decay).
+    prior is the decay). The other arguments mean what they mean in laplace-torch
+    (``backend`` as :func:`Laplace` takes it).
 
     Args:
         model: The network (left as it was; the one returned is the trained copy).
         train_loader: ``(inputs, targets)`` batches or dicts (``dict_key_x``, ``dict_key_y``);
             ``len(train_loader.dataset)`` or a count of the samples gives ``N``.
         prior_structure: ``scalar``, ``layerwise`` (one per tensor) or ``diag``.
-        The others: as laplace-torch (``backend`` as :func:`Laplace` takes it).
 
     Returns:
         ``(la, model, margliks, losses)``: the Laplace fitted at the best copy and
