@@ -648,6 +648,8 @@ def _pick_mode(
     first = measured[0].levels(measured[0].indices[:1])
     costs = survey(fn, fn.values(), tuple(t[0] for t in first))
     structurable = tuple(n for n, ec in costs.items() if ec.structured is not None)
+    fwd_generic = _calls(fn, measured, Mode.FWD, costs, options)
+    fwd_structured = _calls(fn, measured, Mode.FWD, costs, options, structurable)
     chosen, structured, est = choose_mode(
         costs,
         numel={name: fn.subset.offsets[name][1] - fn.subset.offsets[name][0] for name in costs},
@@ -658,8 +660,8 @@ def _pick_mode(
         device=device,
         tensor_numel=tensor_numel,
         work=measured[0].footprint.work,
-        calls={m.value: sum(_calls(fn, measured, m, costs, options)) for m in (Mode.FWD, Mode.REV)},
-        fwd_calls=_fwd_calls(fn, measured, costs, options, structurable),
+        calls={"fwd": sum(fwd_generic), "rev": sum(_calls(fn, measured, Mode.REV, costs, options))},
+        fwd_calls=_per_tensor(fn.subset.names, fwd_generic, fwd_structured),
         dtype=fn.values()[0].dtype,
     )
     if chosen is Mode.REV:
@@ -703,18 +705,11 @@ def _calls(
     ]
 
 
-def _fwd_calls(
-    fn: PerSampleFunction,
-    measured: list[Group],
-    costs: dict[str, EntryCost],
-    options: EngineOptions,
-    structurable: tuple[str, ...],
+def _per_tensor(
+    names: tuple[str, ...], generic: list[int], structured: list[int]
 ) -> dict[str, tuple[int, int]] | None:
     """Per selected tensor, the fwd calls of its tangent span with generic and with
     structured entries (``None`` where the spans are not one per tensor)."""
-    names = fn.subset.names
-    generic = _calls(fn, measured, Mode.FWD, costs, options)
-    structured = _calls(fn, measured, Mode.FWD, costs, options, structurable)
     if len(generic) != len(names) or len(structured) != len(names):
         return None
     return {n: (g, s) for n, g, s in zip(names, generic, structured, strict=True)}

@@ -118,7 +118,8 @@ def _time(route: Route, devices: list[torch.device]) -> float | None:
 
 def decided(family: str, key: Any) -> tuple[str, int | None] | None:
     """The route name and chunk :func:`tune` chose for ``family`` and ``key``, or ``None``."""
-    found = None if key is None else _DECISIONS.get(_digest(family, key))
+    # (none chosen, the default path: nothing digested)
+    found = _DECISIONS.get(_digest(family, key)) if key is not None and _DECISIONS else None
     return None if found is None else tuple(found)  # type: ignore[return-value]
 
 

@@ -368,8 +368,8 @@ class _FisherTuning:
         """``method`` on the bucket's first ``chunk`` samples, the result dropped (the random
         state, the generator and the loss sum as before): the samples (``None``: failed)."""
         packed, idx, fn, targets, plan = self._trial
-        idx, saved, layerwise = idx[:chunk], (self.plan, self.chunks), method.value == "layerwise"
-        sub = packed.select(idx)
+        idx, saved = idx[:chunk], (self.plan, self.chunks)
+        sub, layerwise = packed.select(idx), method is FisherMethod.LAYERWISE
         self.plan, self.chunks = (plan, (chunk, chunk)) if layerwise else (None, (None, chunk))
         generator, self.loss.paused = self.opts.generator, True
         state = None if generator is None else generator.get_state()

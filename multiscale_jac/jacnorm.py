@@ -444,12 +444,12 @@ class _Job:
         route's bytes and :func:`~multiscale_jac._memory.cpu_chunk_cap`; ``chunk`` itself
         where ``chunk_size`` or ``memory_budget`` is given."""
         chunk_size, budget, dtype = self._sizing
-        bytes_cap = JACNORM_VMAP_BYTES // max(1, self._row_grads_bytes(dtype))
-        most = min(GROWTH * chunk, largest, bytes_cap)
-        most = min(most, self._cpu_cap(JacNormMethod.VMAP, dtype) or most)
-        if chunk_size is not None or budget is not None or most <= chunk:
+        if chunk_size is not None or budget is not None:
             return chunk
-        return max(chunk, even_chunk(most, largest))
+        cap = JACNORM_VMAP_BYTES // max(1, self._row_grads_bytes(dtype))
+        most = min(GROWTH * chunk, largest, cap)
+        most = min(most, self._cpu_cap(JacNormMethod.VMAP, dtype) or most)
+        return chunk if most <= chunk else max(chunk, even_chunk(most, largest))
 
     def _cpu_cap(self, method: JacNormMethod, dtype: torch.dtype) -> int | None:
         """Samples per ``vmap`` / ``hvp`` chunk under :data:`CPU_TENSOR_BYTES` for the

@@ -62,3 +62,7 @@ def test_bad_arguments_are_refused() -> None:
         marglik_training(model, loader, prior_structure="blocks", n_epochs=1)
     with pytest.raises(ValueError, match="n_epochs"):
         marglik_training(model, loader, n_epochs=0)
+    with pytest.raises(ValueError, match=r"prior_prec_init must be a positive number; got -1\.0"):
+        marglik_training(model, loader, prior_prec_init=-1.0, n_epochs=1)
+    with pytest.raises(TypeError, match="n_epochs_burnin must be an int; got '2'"):
+        marglik_training(model, loader, n_epochs_burnin="2", n_epochs=1)

@@ -81,10 +81,20 @@ def test_the_diagonal_laplace_variance_mask_fits_and_ranks() -> None:
         (lambda m: ParamNameSubnetMask(m, ["9.weight"]), ValueError, r"\['9.weight'\]"),
         (lambda m: ModuleNameSubnetMask(m, ["1"]), ValueError, "'1' has no parameters"),
         (lambda m: ModuleNameSubnetMask(m, "2"), ValueError, "list of names"),
+        (lambda m: ParamNameSubnetMask(m, 3), ValueError, "list of names; got 3"),
         (lambda m: LargestVarianceSWAGSubnetMask(m, 3), NotImplementedError, "SWAG"),
         (lambda m: LargestVarianceDiagLaplaceSubnetMask(m, 3, None), TypeError, "DiagLaplace"),
     ],
-    ids=["too-many", "zero", "unknown-param", "module-without-params", "a-string", "swag", "no-la"],
+    ids=[
+        "too-many",
+        "zero",
+        "unknown-param",
+        "module-without-params",
+        "a-string",
+        "a-number",
+        "swag",
+        "no-la",
+    ],
 )
 def test_bad_masks_are_refused(make, err, match) -> None:
     with pytest.raises(err, match=match):

@@ -312,14 +312,9 @@ def _method_and_pred_type(
                 f"optimize_prior_precision: {name} given twice ({given[name]!r} and {value!r})"
             )
         given[name] = plain
-    return (
-        parse_enum(
-            TuningMethod, getattr(given["method"], "value", given["method"] or "marglik"), "method"
-        ),
-        parse_enum(
-            PredType, getattr(given["pred_type"], "value", given["pred_type"] or "glm"), "pred_type"
-        ),
-    )
+    method = "marglik" if given["method"] is None else given["method"]
+    pred_type = "glm" if given["pred_type"] is None else given["pred_type"]
+    return parse_enum(TuningMethod, method, "method"), parse_enum(PredType, pred_type, "pred_type")
 
 
 def _cat(parts: Sequence[Any]) -> Any:

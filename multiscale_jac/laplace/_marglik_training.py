@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
-from .._checks import check_bool, check_positive_int, check_positive_number
+from .._checks import check_bool, check_int, check_positive_int, check_positive_number
 from .._stream import with_progress
 from ..enums import Likelihood, PriorStructure, parse_enum
 from ._base import LaplaceBase
@@ -82,7 +82,10 @@ def marglik_training(
         train_loader,
         lik,
         structure,
-        math.log(check_positive_number(temperature, "temperature") * prior_prec_init),
+        math.log(
+            check_positive_number(temperature, "temperature")
+            * check_positive_number(prior_prec_init, "prior_prec_init")
+        ),
         math.log(check_positive_number(sigma_noise_init, "sigma_noise_init")),
         check_bool(fix_sigma_noise, "fix_sigma_noise"),
     )
@@ -101,10 +104,11 @@ def marglik_training(
     epochs = check_positive_int(n_epochs, "n_epochs")
     steps = check_positive_int(n_hypersteps, "n_hypersteps")
     every = check_positive_int(marglik_frequency, "marglik_frequency")
+    burnin = check_int(n_epochs_burnin, "n_epochs_burnin")
     show = check_bool(progress_bar, "progress_bar")
     for epoch in with_progress(range(1, epochs + 1), show, "marglik_training", epochs):
         trainer.epoch()
-        if epoch % every == 0 and epoch >= n_epochs_burnin:
+        if epoch % every == 0 and epoch >= burnin:
             trainer.tune(steps)
     return trainer.result(check_bool(enable_backprop, "enable_backprop"))
 

@@ -214,6 +214,10 @@ class LastLayerSubnetMask(ModuleNameSubnetMask):
 
 
 def _names(value: Any, what: str) -> list[str]:
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value) or not value:
+    if (
+        not isinstance(value, (list, tuple))
+        or not value
+        or not all(isinstance(v, str) for v in value)
+    ):
         raise ValueError(f"{what} must be a non-empty list of names; got {value!r}")
     return list(value)
