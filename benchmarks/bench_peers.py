@@ -1175,7 +1175,7 @@ def _route_of(res: Any) -> dict[str, Any]:
 def _engine_routes() -> Iterator[list[dict[str, Any]]]:
     """The routes (mode and :func:`_route_of`) of the engine calls a Laplace fit makes in the
     block."""
-    from multiscale_jac.laplace import _curvature
+    from multiscale_jac.laplace import _jacobian_rows as _curvature
 
     routes: list[dict[str, Any]] = []
     run = _curvature.run_engine

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -126,3 +127,73 @@ def jacnorm_jobs(monkeypatch) -> list:
 
     monkeypatch.setattr(jacnorm._Job, "__init__", keep)
     return jobs
+
+
+# ------------------------------------------------------------------ laplace-torch, where installed
+#: an interpreter with laplace-torch 0.3 for the tests that run laplace-torch beside the library
+#: (its examples, where its numbers differ); without one they are skipped
+ENV_VAR = "MJ_LAPLACE_TORCH_PYTHON"
+
+_PROBE = r"""
+import importlib.metadata as md, importlib.util as iu, pathlib, sys
+try:
+    dist = md.distribution("laplace-torch")
+except md.PackageNotFoundError:
+    sys.exit("the distribution laplace-torch is not installed")
+spec = iu.find_spec("laplace")
+theirs = pathlib.Path(dist.locate_file("laplace/__init__.py")).resolve()
+if spec is None or spec.origin is None or pathlib.Path(spec.origin).resolve() != theirs:
+    sys.exit(f"import laplace gives {spec and spec.origin}, not laplace-torch's {theirs}")
+import laplace, numpy, torch
+print(f"laplace-torch {dist.version}, torch {torch.__version__}")
+"""
+
+
+def _base_env(keep_pythonpath: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("LT_SHIM_MODE", None)
+    if not keep_pythonpath:
+        env.pop("PYTHONPATH", None)
+    # the tolerances were measured single-threaded; two cores are shared with other work
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _probe(python: str, env: dict[str, str]) -> tuple[bool, str]:
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return False, f"{type(err).__name__}: {err}"
+    out = (done.stdout + done.stderr).strip()
+    return done.returncode == 0, out.splitlines()[-1] if out else f"exit {done.returncode}"
+
+
+@functools.cache
+def _laplace_torch() -> tuple[str, dict[str, str]] | str:
+    """(interpreter, its environment) with laplace-torch, or why there is none."""
+    env = _base_env(keep_pythonpath=True)
+    ok, said = _probe(sys.executable, env)
+    if ok:
+        return sys.executable, env
+    named = os.environ.get(ENV_VAR)
+    if not named:
+        return (
+            f"laplace-torch is not importable here ({said}); set {ENV_VAR} to a Python "
+            "interpreter that has laplace-torch 0.3 to run laplace-torch's examples"
+        )
+    env = _base_env(keep_pythonpath=False)
+    ok, said = _probe(named, env)
+    if not ok:
+        # named on purpose: a wrong name is an error, not a reason to skip
+        pytest.fail(f"{ENV_VAR}={named} is not an interpreter with laplace-torch: {said}")
+    return named, env
+
+
+@pytest.fixture(scope="session")
+def laplace_torch() -> tuple[str, dict[str, str]]:
+    found = _laplace_torch()
+    if isinstance(found, str):
+        pytest.skip(found)
+    return found

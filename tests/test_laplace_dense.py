@@ -10,6 +10,7 @@ from conftest import smallest_budget
 from torch import nn
 
 import multiscale_jac as mj
+from multiscale_jac.laplace._subset_ggn import SubsetGGN
 
 DTYPE = torch.float64
 SIZES = [(6, 7), (5, 5), (8, 6)]  # ragged images
@@ -56,7 +57,7 @@ def assert_same(a: mj.SubnetLaplace, b: mj.SubnetLaplace) -> None:
     scale = float(b.H.abs().max())
     torch.testing.assert_close(a.H, b.H, atol=1e-10 * max(scale, 1.0), rtol=0)
     assert float(a.loss) == pytest.approx(float(b.loss), rel=1e-12)
-    assert a.n_outputs == b.n_outputs and a._n_entries == b._n_entries
+    assert a.n_outputs == b.n_outputs and a._posterior.n_entries == b._posterior.n_entries
 
 
 class Counter:
@@ -74,9 +75,9 @@ class Counter:
 @pytest.mark.parametrize("hessian", ["ggn", "empirical"])
 def test_sliced_fit_equals_unsliced(likelihood: str, hessian: str, monkeypatch) -> None:
     seen = []
-    original = mj.SubnetLaplace._curvature
+    original = SubsetGGN._whole
     monkeypatch.setattr(
-        mj.SubnetLaplace, "_curvature", lambda self, *a: seen.append(a[1]) or original(self, *a)
+        SubsetGGN, "_whole", lambda self, *a: seen.append(a[1]) or original(self, *a)
     )
     model = make_model()
     subset = mj.ParamSubset.largest_magnitude(model, 12)  # P < rows: column route

@@ -73,7 +73,7 @@ def test_posterior_is_the_dense_kron_posterior(likelihood: str, hessian: str) ->
         float(logdet) - la.n_params * math.log(prior) + prior * float(theta @ theta)
     )
     if likelihood == "regression":
-        lml -= la._n_entries * math.log(sigma * math.sqrt(2 * math.pi))
+        lml -= la._posterior.n_entries * math.log(sigma * math.sqrt(2 * math.pi))
     assert abs(float(la.log_marginal_likelihood()) - lml) < 1e-9 * max(1.0, abs(lml))
 
 
@@ -122,7 +122,9 @@ def test_ragged_pyramids_equal_the_samples_one_at_a_time() -> None:
         one.fit([([s], [y])], override=k == 0)
     torch.testing.assert_close(whole.H.to_matrix(), one.H.to_matrix(), atol=TOL, rtol=0)
     assert abs(float(whole.log_marginal_likelihood() - one.log_marginal_likelihood())) < 1e-9
-    assert whole.n_data == one.n_data == 4 and whole._n_entries == one._n_entries
+    assert (
+        whole.n_data == one.n_data == 4 and whole._posterior.n_entries == one._posterior.n_entries
+    )
 
 
 def test_bias_block_of_a_head_called_per_level_is_g() -> None:

@@ -6,6 +6,7 @@ values against dense float64 references written out here."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import multiscale_jac as mj
+from multiscale_jac.enums import FallbackWarning
 from multiscale_jac.laplace import Laplace
 
 STRUCTURES = ["full", "kron", "diag"]
@@ -108,6 +110,54 @@ def test_enable_backprop_differentiates_the_predictive_wrt_the_inputs(structure:
     assert not plain(xg)[1].requires_grad  # without the option nothing is kept
 
 
+class _Branchy(nn.Module):
+    """A conv net on images of any size with a data-dependent branch: it runs under
+    ``jacrev`` one sample at a time but not under ``vmap``."""
+
+    def __init__(self, branch: bool) -> None:
+        super().__init__()
+        self.conv, self.head, self.branch = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(3, 2), branch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(x))
+        if self.branch and bool(h.sum() > -1e9):
+            h = h * 1.0
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("branch", [False, True])
+def test_enable_backprop_rows_are_batched_per_shape_bucket(branch: bool) -> None:
+    """``enable_backprop``'s rows come from ``jacrev`` vmapped over each shape bucket's samples,
+    in sample order across buckets (the joint predictive's order): the mean, the covariance,
+    the joint covariance and their gradients w.r.t. ragged inputs equal those of one sample
+    at a time (``chunk_size=1``). A model that does not run under ``vmap`` falls back to one
+    sample at a time, with a ``FallbackWarning``."""
+    torch.manual_seed(0)
+    model = _Branchy(branch).to(DTYPE)
+    g = torch.Generator().manual_seed(1)
+    sizes = [(4, 4), (5, 3), (4, 4), (5, 3), (4, 4)]  # two buckets, interleaved
+    xs = [torch.randn(2, *s, generator=g, dtype=DTYPE) for s in sizes]
+    ys = torch.randn(len(xs), 2, generator=g, dtype=DTYPE)
+    results = []
+    for chunk in (None, 1):
+        la = Laplace(model, "regression", "all", "full", enable_backprop=True, chunk_size=chunk)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)  # the fit's own route
+            la.fit([(xs, ys)])
+        xg = [x.clone().requires_grad_(True) for x in xs]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            mean, cov = la(xg)
+            f_mu, f_cov = la(xg, joint=True)
+        fell_back = any("one sample at a time" in str(w.message) for w in seen)
+        assert fell_back == (branch and chunk is None)
+        total = mean.sum() + cov.sum() + f_mu.sum() + f_cov.sum()
+        grads = torch.autograd.grad(total, xg)
+        results.append([mean, cov, f_mu, f_cov, *grads])
+    for batched, one in zip(*results):
+        torch.testing.assert_close(batched, one, atol=1e-12, rtol=1e-10)
+
+
 # ---------------------------------------------------------------------- joint
 @pytest.mark.parametrize("structure", STRUCTURES)
 def test_joint_predictive_covariance_across_samples(structure: str) -> None:
@@ -131,7 +181,7 @@ def test_n_outputs_is_the_output_dim(structure: str) -> None:
     assert la.n_outputs is None
     la.fit(regression_data(n=5))
     assert la.n_outputs == 2 and la.n_data == 5
-    assert la._n_entries == 10  # the marginal likelihood's constant counts every entry
+    assert la._posterior.n_entries == 10  # the marginal likelihood's constant counts every entry
     clf = Laplace(mlp(3), "classification", "all", structure)
     clf.fit([(torch.zeros(2, 4, dtype=DTYPE), torch.tensor([0, 2]))])
     assert clf.n_outputs == 3

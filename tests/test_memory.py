@@ -49,7 +49,7 @@ def test_laplace_states_its_minimum_without_running_the_engine(monkeypatch) -> N
     """The Laplace fit's budget adds the engine's minimum for one output position's rows
     (planned, :func:`engine_minimum`) to its own rows and the posterior: the engine is not
     called to find it, a budget below is refused naming the parts, and the minimum runs."""
-    from multiscale_jac.laplace import _curvature
+    from multiscale_jac.laplace import _jacobian_rows as _curvature
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -58,13 +58,13 @@ def test_laplace_states_its_minimum_without_running_the_engine(monkeypatch) -> N
     x, y = torch.randn(2, 3, 6, 6), torch.randint(0, 3, (2, 6, 6))
     subset = mj.ParamSubset.largest_magnitude(model, 20)
     calls = []
-    real = _curvature.JacobianStream._engine
+    real = _curvature.JacobianRows._engine
 
     def spy(self, packed, output_fn, options):
         calls.append(options.memory_budget)
         return real(self, packed, output_fn, options)
 
-    monkeypatch.setattr(_curvature.JacobianStream, "_engine", spy)
+    monkeypatch.setattr(_curvature.JacobianRows, "_engine", spy)
     with pytest.raises(MemoryBudgetError, match="the engine computing them") as err:
         mj.SubnetLaplace(model, "classification", subset, memory_budget=1).fit([(x, y)])
     assert calls == []  # nothing ran to learn the minimum

@@ -30,21 +30,24 @@ per-sample outputs (every sample runs unpadded through the engine), so they cont
 choose the class, and both classes answer laplace-torch's calls (``la(x)``,
 ``predictive_samples``, ``optimize_prior_precision(method=...)``).
 
-The parts, one module each (private; the names above are the public ones):
+A posterior is made of parts, one module each (private; the names above are the public ones),
+held by :class:`LaplaceBase` (composition: no class has more than one base here):
 
-* ``_base``: the state and checks both classes share (options, the prior's forms);
-* ``_curvature``: the curvature over the data: streaming Jacobian rows in shape buckets under
-  the memory budget, the GGN / empirical Fisher of a subset (rows, or a whole sample's
-  curvature from one forward pass by its reverse or column route), the diagonal from
-  :func:`~multiscale_jac.diag_fisher`;
-* ``_posterior``: the posterior's forms (full, diagonal; a :class:`PosteriorForm` each):
-  precision, log-determinant, whitening, sampling, kept bytes;
-* ``_marglik``: the log marginal likelihood and prior tuning (marglik, grid search);
+* ``_options``: :class:`LaplaceOptions`, the one options object, checked once;
+* ``_prior``: the prior precision's forms (one value, one per tensor, one per entry) and mean;
+* ``_forms``: the posterior's forms (full, diagonal; a ``PosteriorForm`` each): precision,
+  log-determinant, whitening, sampling, kept bytes; ``_kron``: the Kronecker-factored form;
+* ``_posterior``: the Gaussian (form, prior, noise, temperature) and the record of its fits;
+* ``_fit``: the one fit signature every curvature answers; ``_subset_ggn`` (the GGN of a
+  subset, ``(P, P)``), ``_diag`` (the diagonal from :func:`~multiscale_jac.diag_fisher`) and
+  ``_kronlaplace`` (K-FAC factors from :func:`~multiscale_jac._kfac.kron_factors`): the
+  curvatures, each beside its class;
+* ``_jacobian_rows``: streaming Jacobian rows in shape buckets under the memory budget;
 * ``_predictive``: :class:`GLMPredictive`, the link approximations, predictive samples;
-* ``_kron``: the Kronecker-factored form (K-FAC: per-tensor factors and their eigenbases);
-* ``_subnet``, ``_diag``, ``_kronlaplace``: :class:`SubnetLaplace`, :class:`DiagLaplace` and
-  :class:`KronLaplace` (K-FAC factors from :func:`~multiscale_jac._kfac.kron_factors`),
-  composed of those;
+* ``_marglik``: prior tuning (marglik, grid search); ``_saving``: ``state_dict``;
+* ``_base``: :class:`LaplaceBase`, the parts put together; ``_subnet``, ``_diag``,
+  ``_kronlaplace``: :class:`SubnetLaplace`, :class:`DiagLaplace` and :class:`KronLaplace`,
+  each naming its form and curvature;
 * ``_frontdoor``: laplace-torch's ``Laplace()`` and its option translation;
 * ``_masks``: laplace-torch's subnetwork masks (``LargestMagnitudeSubnetMask`` ...);
 * ``_marglik_training``: laplace-torch's ``marglik_training`` (on a copy of the model).
@@ -68,6 +71,7 @@ from ._masks import (
     ScoreBasedSubnetMask,
     SubnetMask,
 )
+from ._options import LaplaceOptions
 from ._predictive import GLMPredictive
 from ._subnet import SubnetLaplace
 
@@ -82,6 +86,7 @@ __all__ = [
     "KronLaplace",
     "Laplace",
     "LaplaceBase",
+    "LaplaceOptions",
     "LargestMagnitudeSubnetMask",
     "LargestVarianceDiagLaplaceSubnetMask",
     "LargestVarianceSWAGSubnetMask",

@@ -4,11 +4,12 @@ each backend name means (docs/laplace.md "From laplace-torch")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
-from ..enums import HessianKind, SubsetOfWeights, parse_enum
+from ..enums import HessianKind, parse_enum
 
 __all__ = ["BACKENDS", "CurvatureBackend", "backend_hessian"]
 
@@ -101,18 +102,27 @@ def _names(backend: Any) -> list[str]:
 class CurvatureBackend:
     """laplace-torch's ``la.backend``: what computes the curvature, always this library.
 
-    Attributes:
+    Args:
         name: The laplace-torch backend a caller named (``None``: none).
         hessian: What it means here (``ggn`` or ``empirical``).
         subnetwork_indices: The posterior's entries as indices into
             ``parameters_to_vector(model.parameters())``, in the posterior's order.
+        jacobians: ``(x, enable_backprop) -> (Js, f)`` from the posterior's own stream.
+        last_layer: The posterior is over the last layer.
     """
 
-    def __init__(self, la: Any) -> None:
-        self._la = la
-        self.name: str | None = la._backend_name
-        self.hessian: HessianKind = la.hessian
-        self.subnetwork_indices: Tensor = la.subset.flat_indices()
+    def __init__(
+        self,
+        name: str | None,
+        hessian: HessianKind,
+        subnetwork_indices: Tensor,
+        jacobians: Callable[[Any, bool | None], tuple[Tensor, Tensor]],
+        *,
+        last_layer: bool,
+    ) -> None:
+        self.name, self.hessian = name, hessian
+        self.subnetwork_indices = subnetwork_indices
+        self._jacobians, self._last_layer = jacobians, last_layer
 
     def jacobians(self, x: Any, enable_backprop: bool | None = None) -> tuple[Tensor, Tensor]:
         """laplace-torch's ``backend.jacobians``: per-sample Jacobians over the posterior's
@@ -123,7 +133,7 @@ class CurvatureBackend:
             x: The inputs (anything :func:`~multiscale_jac.pack` accepts).
             enable_backprop: Keep the graph to ``x`` (``None``: the posterior's setting).
         """
-        return self._la._stacked_jacobians(x, enable_backprop)
+        return self._jacobians(x, enable_backprop)
 
     def last_layer_jacobians(
         self, x: Any, enable_backprop: bool | None = None
@@ -131,7 +141,7 @@ class CurvatureBackend:
         """laplace-torch's ``backend.last_layer_jacobians``: :meth:`jacobians`, for a posterior
         over the last layer (refused for another subset: this backend has no feature
         extractor)."""
-        if self._la.subset_of_weights is not SubsetOfWeights.LAST_LAYER:
+        if not self._last_layer:
             raise ValueError(
                 "last_layer_jacobians: this posterior is not over the last layer; use "
                 "jacobians(x), over its own entries"

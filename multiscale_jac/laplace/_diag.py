@@ -2,27 +2,93 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+import torch
+from torch import Tensor
 
-from ..enums import (
-    FisherMethod,
-    Likelihood,
-    parse_enum,
-)
-from ..subset import ParamSubset
-from ._curvature import DiagCurvature
-from ._marglik import MarginalLikelihood
-from ._posterior import DiagForm
-from ._predictive import Predictive
-from ._saving import Saving
+from ..enums import HessianKind, Likelihood
+from ..fisher import diag_fisher
+from ._base import LaplaceBase, Parts
+from ._fit import CurvatureFit, refuse_unsupported
+from ._forms import DiagForm
+from ._options import LaplaceOptions
 
-__all__ = ["DiagLaplace"]
+if TYPE_CHECKING:
+    from .._checks import Prepared
+
+__all__ = ["DiagGGN", "DiagLaplace"]
 
 
-class DiagLaplace(DiagCurvature, Predictive, MarginalLikelihood, Saving):
+class DiagGGN:
+    """The diagonal ``h`` ``(P,)`` of the GGN (or of the empirical Fisher) and the loss at the
+    MAP, in one pass of :func:`~multiscale_jac.diag_fisher` over the data.
+
+    Args:
+        prep: The checked model, subset and policies.
+        options: The posterior's options.
+        like: A tensor of the curvature's dtype and device.
+    """
+
+    def __init__(self, prep: Prepared, options: LaplaceOptions, like: Tensor) -> None:
+        self._prep, self._like = prep, like
+        self._kind = "exact" if options.hessian is HessianKind.GGN else "empirical"
+        self._options = {
+            **options.batched(prep),
+            "strict": options.strict,
+            "method": options.method,
+            "tune": options.tune,
+        }
+
+    def fit(
+        self,
+        data: Iterable[tuple[Any, Any]],
+        likelihood: Likelihood,
+        *,
+        progress: bool,
+        process_group: Any,
+        max_outputs_per_sample: int | None,
+        generator: torch.Generator | None,
+    ) -> CurvatureFit:
+        """One pass of :func:`~multiscale_jac.diag_fisher` (its own forward passes give the
+        loss at the MAP)."""
+        refuse_unsupported(
+            "DiagLaplace", max_outputs_per_sample=max_outputs_per_sample, generator=generator
+        )
+        res = diag_fisher(
+            self._prep.model,
+            data,
+            params=self._prep.subset,
+            likelihood=likelihood,
+            kind=self._kind,
+            sigma_noise=1.0,
+            progress=progress,
+            process_group=process_group,
+            return_loss=True,
+            **self._options,
+        )
+        n_out = res.num_outputs if likelihood is Likelihood.REGRESSION else 0
+        h = (res.flat * res.num_samples).to(self._like)
+        loss = float(res.loss)  # type: ignore[arg-type]
+        return CurvatureFit(h, loss, res.num_samples, int(n_out), res.output_dim)
+
+    def combine(self, old: CurvatureFit, new: CurvatureFit) -> Tensor:
+        """``h`` of both fits: the sum."""
+        return old.h + new.h
+
+    def h_state(self, h: Tensor) -> Tensor:
+        return h
+
+    def h_from_state(self, value: Any, like: Tensor) -> Tensor:
+        p = self._prep.subset.numel
+        t = torch.as_tensor(value).to(like)
+        if t.shape != (p,):
+            raise ValueError(f"load_state_dict: H of shape {tuple(t.shape)} for P={p}")
+        return t
+
+
+class DiagLaplace(LaplaceBase):
     """Diagonal Laplace: ``P_post = diag(h) / (sigma^s T) + diag(p_0)``, where ``h`` ``(P,)`` is
     the diagonal of ``sum_i J_i^T Lambda_i J_i`` (``hessian="ggn"``) or of ``sum_i g_i g_i^T``
     (``hessian="empirical"``).
@@ -34,41 +100,13 @@ class DiagLaplace(DiagCurvature, Predictive, MarginalLikelihood, Saving):
     likelihood (``log det P_post`` is the sum of the logs of the diagonal), the GLM predictive
     ``f_var = J diag(Sigma) J^T`` (per-sample Jacobian rows in chunks, never ``N x P``), the
     link approximations, sampling, prior tuning and laplace-torch's calls. laplace-torch's
-    ``DiagLaplace`` computes the same quantities.
-
-    Args:
-        model: Any ``nn.Module`` at its MAP; never changed.
-        likelihood: ``classification`` or ``regression``.
-        subset: The entries the posterior is over (a :class:`ParamSubset`, a name/glob or a
-            list of them); default: every parameter that requires grad.
-        method: How :func:`~multiscale_jac.diag_fisher` computes ``h`` (``auto``,
-            ``layerwise`` or ``vmap``).
-        **options: :class:`SubnetLaplace`'s keyword arguments, with its meaning
-            (``chunk_size``: samples per batched run of the fit and per engine call of the
-            predictive; ``memory_budget``: bytes of the working set of :meth:`fit`, see
-            :func:`~multiscale_jac.diag_fisher`, and of :meth:`predictive`).
-
-    Raises:
-        TypeError, ValueError: bad arguments (the message names the value).
+    ``DiagLaplace`` computes the same quantities. ``subset`` defaults to every parameter that
+    requires grad; ``method`` is how :func:`~multiscale_jac.diag_fisher` computes ``h``;
+    ``chunk_size`` is the samples per batched run of the fit and per engine call of the
+    predictive; ``memory_budget`` bounds the fit's working set (see
+    :func:`~multiscale_jac.diag_fisher`) and the predictive's. The fit takes no
+    ``max_outputs_per_sample``.
     """
 
-    form = DiagForm()
-
-    def __init__(
-        self,
-        model: nn.Module,
-        likelihood: str | Likelihood,
-        subset: ParamSubset | str | Sequence[str] | None = None,
-        *,
-        method: str | FisherMethod = "auto",
-        **options: Any,
-    ) -> None:
-        if subset is None and isinstance(model, nn.Module):
-            subset = ParamSubset.all(model, trainable_only=True)
-        super().__init__(model, likelihood, subset, **options)  # type: ignore[arg-type]
-        self._fisher_options = {
-            **self._batched_options(),
-            "strict": self.strict,
-            "method": parse_enum(FisherMethod, method, "method"),
-            "tune": self.tune,
-        }
+    def _parts(self, prep: Prepared, options: LaplaceOptions, theta: Tensor) -> Parts:
+        return Parts(DiagForm(), lambda rows: DiagGGN(prep, options, theta), takes_method=True)

@@ -4,31 +4,77 @@ that have no counterpart here."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
 
-from ..enums import ArgumentTypeError, HessianStructure, Likelihood, SubsetOfWeights, parse_enum
+from ..enums import (
+    ArgumentTypeError,
+    BatchNormPolicy,
+    Entries,
+    FisherMethod,
+    HessianKind,
+    HessianStructure,
+    InputKind,
+    Likelihood,
+    Mode,
+    Randomness,
+    SubsetOfWeights,
+    Tune,
+    parse_enum,
+)
 from ..subset import ParamSubset
+from ._base import LaplaceBase
 from ._diag import DiagLaplace
 from ._kronlaplace import KronLaplace
 from ._subnet import SubnetLaplace
 
-__all__ = ["Laplace"]
+__all__ = ["CLASS_OPTIONS", "Laplace"]
+
+#: the classes' keyword options that :func:`Laplace` passes on by name (all of
+#: :class:`LaplaceBase`'s but the subset, which it chooses)
+CLASS_OPTIONS = tuple(
+    name
+    for name, p in inspect.signature(LaplaceBase.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "subset_of_weights"
+)
 
 
-def Laplace(  # laplace-torch's name
+def Laplace(
     model: nn.Module,
     likelihood: str | Likelihood,
     subset_of_weights: str | SubsetOfWeights = "last_layer",
     hessian_structure: str | HessianStructure = "kron",
     *,
     subnetwork_indices: Tensor | ParamSubset | None = None,
-    sigma_noise: float = 1.0,
+    last_layer_name: str | None = None,
+    feature_reduction: str | None = None,
+    sigma_noise: Any = 1.0,
     prior_precision: Any = 1.0,
     prior_mean: Any = 0.0,
     temperature: float = 1.0,
-    **library_options: Any,
+    hessian: str | HessianKind | None = None,
+    output_fn: Callable[[Any], Any] | None = None,
+    ignore_index: int = -100,
+    input_kind: str | InputKind | None = None,
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+    randomness: str | Randomness = "error",
+    batch_norm: str | BatchNormPolicy = "eval",
+    strict: bool = False,
+    entries: str | Entries = "auto",
+    mode: str | Mode = "auto",
+    tune: str | bool | Tune = "auto",
+    method: str | FisherMethod = "auto",
+    enable_backprop: bool = False,
+    dict_key_x: str = "input_ids",
+    dict_key_y: str = "labels",
+    backend: Any = None,
+    backend_kwargs: dict[str, Any] | None = None,
+    asdl_fisher_kwargs: dict[str, Any] | None = None,
+    **unsupported: Any,
 ) -> SubnetLaplace | DiagLaplace | KronLaplace:
     """laplace-torch's ``Laplace``: the approximation chosen by two strings.
 
@@ -38,9 +84,18 @@ def Laplace(  # laplace-torch's name
       :class:`KronLaplace` (``"kron"``, the default, as laplace-torch), :class:`SubnetLaplace`
       (``"full"``: ``P x P``, small models only) or :class:`DiagLaplace` (``"diag"``).
 
+    The classes' options (``hessian``, ``output_fn``, ``ignore_index``, ``input_kind``,
+    ``chunk_size``, ``memory_budget``, ``randomness``, ``batch_norm``, ``strict``, ``entries``,
+    ``mode``, ``tune``, ``method``, ``enable_backprop``, ``dict_key_x``, ``dict_key_y``,
+    ``backend``, ``backend_kwargs``, ``asdl_fisher_kwargs``) pass through by name with the
+    meaning :class:`LaplaceBase` documents, except ``batch_norm``: ``"eval"`` by default here,
+    as laplace-torch fits in eval mode. ``backend`` is laplace-torch's curvature backend (a
+    class or its name): a GGN backend means ``hessian="ggn"``, an empirical-Fisher one
+    ``hessian="empirical"``; the curvature is always this library's.
+
     Args:
         model: Any ``nn.Module`` at its MAP; never changed.
-        likelihood: ``classification`` or ``regression``.
+        likelihood: ``classification``, ``regression`` or ``reward_modeling``.
         subset_of_weights: ``subnetwork``, ``last_layer`` (default, as laplace-torch: the weight
             and bias of the last ``nn.Linear`` in registration order, or of the last module
             that owns parameters when there is none, e.g. a 1x1 convolution head) or ``all``
@@ -49,39 +104,52 @@ def Laplace(  # laplace-torch's name
         subnetwork_indices: For ``subnetwork``: a 1-d LongTensor of indices into
             ``parameters_to_vector(model.parameters())`` (the posterior's order), or a
             :class:`ParamSubset`.
+        last_layer_name: For ``last_layer``: the module whose parameters are the last layer.
+        feature_reduction: For ``last_layer``: laplace-torch's reduction of features between
+            the batch and the feature dim (``pick_first``, ``pick_last``, ``average``); the
+            last layer being linear, it reduces the output the same way (part of
+            ``output_fn``).
         sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
         prior_precision: A number, one value per selected tensor, or a ``(P,)`` diagonal.
         prior_mean: A number or a ``(P,)`` vector.
         temperature: ``T``; the curvature is divided by it.
-        **library_options: The classes' other keyword arguments (``hessian``, ``output_fn``,
-            ``batch_norm``: ``"eval"`` by default here, as laplace-torch fits in eval mode,
-            ``memory_budget``, ``chunk_size``, ...; see :class:`SubnetLaplace`,
-            :class:`DiagLaplace` and :class:`KronLaplace`), and laplace-torch's ``backend=``
-            (a curvature backend class or its name: a GGN backend means ``hessian="ggn"``, an
-            empirical-Fisher one ``hessian="empirical"``; the curvature is this library's,
-            docs/laplace.md "From laplace-torch"), ``backend_kwargs`` and
-            ``asdl_fisher_kwargs`` (empty, or what they mean here).
+        **unsupported: laplace-torch's options without a counterpart here (``subset=``, GP
+            or low-rank options, ``damping``): refused by name, never accepted and ignored.
 
     Returns:
-        A :class:`KronLaplace` (``kron``), :class:`SubnetLaplace` (``full``) or
-        :class:`DiagLaplace` (``diag``), not fitted.
+        The chosen class's posterior, not fitted.
 
     Raises:
-        ValueError: an unknown string (named with the choices), ``subnetwork`` without
-            ``subnetwork_indices`` or ``subnetwork_indices`` with another subset, bad indices.
-        TypeError: a model that is not an ``nn.Module``, a laplace-torch option that has no
-            counterpart here (the message says what to do).
+        ValueError, TypeError: an unknown string (named with the choices), ``subnetwork``
+            without indices or indices with another subset, a model that is not a module.
     """
-    _refuse_subset(library_options)
+    cls, subset, which, output_fn = _chosen(
+        model,
+        (subset_of_weights, hessian_structure, subnetwork_indices),
+        (last_layer_name, feature_reduction, output_fn),
+        unsupported,
+    )
+    given = locals()
+    options = {k: given[k] for k in CLASS_OPTIONS}
+    return cls(model, likelihood, subset, **options, subset_of_weights=which)
+
+
+def _chosen(
+    model: Any, choice: tuple[Any, Any, Any], last: tuple[Any, Any, Any], unsupported: dict
+) -> tuple[type[LaplaceBase], ParamSubset, SubsetOfWeights, Any]:
+    """:func:`Laplace`'s class, subset, ``subset_of_weights`` and ``output_fn`` from
+    ``(subset_of_weights, hessian_structure, subnetwork_indices)`` and ``(last_layer_name,
+    feature_reduction, output_fn)``, checked."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
-    which = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
-    structure = _hessian_structure(hessian_structure)
-    last_name, library_options = _last_layer_options(library_options, which)
-    if last_name is not None:
-        subset = _named_last_layer(model, last_name)
+    which = parse_enum(SubsetOfWeights, choice[0], "subset_of_weights")
+    structure = _hessian_structure(choice[1])
+    _refuse(unsupported)
+    output_fn = _last_layer_options(which, *last)
+    if last[0] is not None:
+        subset = _named_last_layer(model, last[0])
     else:
-        subset = _subset_of_weights(model, which, subnetwork_indices)
+        subset = _subset_of_weights(model, which, choice[2])
     if which is SubsetOfWeights.SUBNETWORK and structure is HessianStructure.KRON:
         raise ValueError(
             "subset_of_weights='subnetwork' takes hessian_structure='full' or 'diag'; got "
@@ -92,28 +160,21 @@ def Laplace(  # laplace-torch's name
         HessianStructure.KRON: KronLaplace,
         HessianStructure.FULL: SubnetLaplace,
     }[structure]
-    # laplace-torch fits in eval mode: BatchNorm layers in train mode use running statistics
-    library_options.setdefault("batch_norm", "eval")
-    la = cls(
-        model,
-        likelihood,
-        subset,
-        sigma_noise=sigma_noise,
-        prior_precision=prior_precision,
-        prior_mean=prior_mean,
-        temperature=temperature,
-        **library_options,
-    )
-    la.subset_of_weights = which
-    return la
+    return cls, subset, which, output_fn
 
 
-def _refuse_subset(options: dict[str, Any]) -> None:
-    """``subset=`` (the classes' name) is refused here."""
-    if "subset" in options:
+def _refuse(unsupported: dict[str, Any]) -> None:
+    """laplace-torch's options that have no counterpart here, named with what to do."""
+    if "subset" in unsupported:
         raise TypeError(
             "Laplace() takes the subset as subset_of_weights='subnetwork' with "
             "subnetwork_indices=...; SubnetLaplace(model, likelihood, subset) takes it directly"
+        )
+    if unsupported:
+        raise TypeError(
+            f"Laplace() got options with no counterpart here: {sorted(unsupported)} "
+            "(laplace-torch's options of a structure not provided, or misspelt; see "
+            "help(multiscale_jac.laplace.Laplace) for every option)"
         )
 
 
@@ -133,16 +194,11 @@ def _hessian_structure(value: Any) -> HessianStructure:
 FEATURE_REDUCTIONS = ("pick_first", "pick_last", "average")
 
 
-def _last_layer_options(
-    options: dict[str, Any], which: SubsetOfWeights
-) -> tuple[str | None, dict[str, Any]]:
-    """laplace-torch's last-layer options: ``last_layer_name`` (returned) and
-    ``feature_reduction``, which reduces the features between the batch and the feature dim
-    before the last layer; as the last layer is linear and the model's output, that is the
-    same reduction of the output, so it becomes part of ``output_fn``."""
-    options = dict(options)
-    name = options.pop("last_layer_name", None)
-    reduction = options.pop("feature_reduction", None)
+def _last_layer_options(which: SubsetOfWeights, name: Any, reduction: Any, output_fn: Any) -> Any:
+    """laplace-torch's last-layer options checked; ``feature_reduction`` reduces the features
+    between the batch and the feature dim before the last layer: as the last layer is linear
+    and the model's output, that is the same reduction of the output, so it becomes part of
+    ``output_fn`` (returned)."""
     reduction = getattr(reduction, "value", reduction)
     if which is not SubsetOfWeights.LAST_LAYER and (name is not None or reduction is not None):
         given = "last_layer_name" if name is not None else "feature_reduction"
@@ -153,14 +209,12 @@ def _last_layer_options(
     if name is not None and not isinstance(name, str):
         raise TypeError(f"last_layer_name must be a module name (str); got {name!r}")
     if reduction is None:
-        return name, options
+        return output_fn
     if reduction not in FEATURE_REDUCTIONS:
         raise ValueError(
             f"unknown feature_reduction {reduction!r}; expected one of {FEATURE_REDUCTIONS} or None"
         )
-    user = options.get("output_fn")
-    options["output_fn"] = _Reduced(user, reduction)
-    return name, options
+    return _Reduced(output_fn, reduction)
 
 
 class _Reduced:

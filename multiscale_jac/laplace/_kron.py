@@ -71,10 +71,11 @@ class KronBlock:
             return qs[0] @ x
         d1, d2 = qs[0].shape[0], qs[1].shape[0]
         s = x.shape[1]
-        y = x.reshape(d1, d2, s)
-        y = torch.einsum("ij,jks->iks", qs[0], y)
-        y = torch.einsum("lk,iks->ils", qs[1], y)
-        return y.reshape(d1 * d2, s)
+        # Q_1 over the first index, then Q_2 over the second: two plain matrix products (a
+        # broadcast batched product over the first index is half as fast)
+        y = (qs[0] @ x.reshape(d1, d2 * s)).reshape(d1, d2, s).transpose(0, 1)
+        y = qs[1] @ y.reshape(d2, d1 * s)
+        return y.reshape(d2, d1, s).transpose(0, 1).reshape(d1 * d2, s)
 
     def dense(self) -> Tensor:
         out = self.factors[0]
@@ -139,6 +140,18 @@ class KronPrecision:
 
     def __init__(self, h: KronCurvatureFactors, factor: Tensor | float, deltas: Sequence[Any]):
         self.h, self.factor, self.deltas = h, factor, list(deltas)
+        self._rsqrt: list[Tensor] | None = None  # kept when nothing requires grad
+
+    def _inverse_roots(self) -> list[Tensor]:
+        """Every block's eigenvalues to the power -1/2, kept unless the factor or the prior
+        requires grad (a kept graph could not be differentiated twice)."""
+        if self._rsqrt is not None:
+            return self._rsqrt
+        roots = [lam.rsqrt() for lam in self.eigenvalues]
+        terms = [self.factor, *self.deltas]
+        if not any(isinstance(t, Tensor) and t.requires_grad for t in terms):
+            self._rsqrt = roots
+        return roots
 
     def clone(self) -> KronPrecision:
         """A copy over cloned factors."""
@@ -202,10 +215,10 @@ class KronPrecision:
     def whiten(self, jac: Tensor) -> Tensor:
         """``V`` ``(P, rows)`` with ``V^T V = J P_post^{-1} J^T`` for rows ``jac`` ``(rows, P)``."""
         parts, start = [], 0
-        for b, lam in zip(self.h.blocks, self.eigenvalues):
+        for b, root in zip(self.h.blocks, self._inverse_roots()):
             jb = jac[:, start : start + b.numel].T
             start += b.numel
-            parts.append(b.rotate(jb, transpose=True) * lam.rsqrt().unsqueeze(1))
+            parts.append(b.rotate(jb, transpose=True) * root.unsqueeze(1))
         return torch.cat(parts)
 
     def __repr__(self) -> str:

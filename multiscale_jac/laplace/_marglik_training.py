@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
 import torch
@@ -89,18 +89,20 @@ def marglik_training(
         math.log(check_positive_number(sigma_noise_init, "sigma_noise_init")),
         check_bool(fix_sigma_noise, "fix_sigma_noise"),
     )
-    trainer.optimizer = optimizer_cls(trainer.net.parameters(), **kwargs)
-    if scheduler_cls is not None:
-        trainer.scheduler = scheduler_cls(trainer.optimizer, **(scheduler_kwargs or {}))
-    lr = check_positive_number(lr_hyp, "lr_hyp")
-    trainer.hyper_optimizer = torch.optim.Adam(trainer.hypers, lr=lr)
-    trainer.laplace_options = {
-        "hessian_structure": hessian_structure,
-        "temperature": temperature,
-        "dict_key_x": dict_key_x,
-        "dict_key_y": dict_key_y,
-        **({} if backend is None else {"backend": backend}),
-    }
+    trainer.equip(
+        lambda params: optimizer_cls(params, **kwargs),
+        None
+        if scheduler_cls is None
+        else lambda opt: scheduler_cls(opt, **(scheduler_kwargs or {})),
+        check_positive_number(lr_hyp, "lr_hyp"),
+        {
+            "hessian_structure": hessian_structure,
+            "temperature": temperature,
+            "dict_key_x": dict_key_x,
+            "dict_key_y": dict_key_y,
+            **({} if backend is None else {"backend": backend}),
+        },
+    )
     epochs = check_positive_int(n_epochs, "n_epochs")
     steps = check_positive_int(n_hypersteps, "n_hypersteps")
     every = check_positive_int(marglik_frequency, "marglik_frequency")
@@ -149,6 +151,20 @@ class _Trainer:
         self.margliks: list[float] = []
         self.losses: list[float] = []
         self.best: tuple[float, Any, Tensor, Tensor] | None = None
+
+    def equip(
+        self,
+        optimizer: Callable[[Any], torch.optim.Optimizer],
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None,
+        lr_hyp: float,
+        laplace_options: dict[str, Any],
+    ) -> None:
+        """The network's optimiser (and scheduler), the hyperparameters' Adam and the options
+        of every Laplace fitted on the way."""
+        self.optimizer = optimizer(self.net.parameters())
+        self.scheduler = None if scheduler is None else scheduler(self.optimizer)
+        self.hyper_optimizer = torch.optim.Adam(self.hypers, lr=lr_hyp)
+        self.laplace_options = laplace_options
 
     def sigma(self) -> Tensor:
         if self.lik is Likelihood.CLASSIFICATION:

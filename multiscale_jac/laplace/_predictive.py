@@ -1,6 +1,6 @@
 """The linearised (GLM) predictive, its link approximations and predictive samples.
 
-:class:`Predictive` is the mixin: ``predictive`` (``f(x)`` and ``J Sigma J^T`` from whitened
+:class:`Predictive` is the part of a posterior that answers ``predictive`` (``f(x)`` and ``J Sigma J^T`` from whitened
 Jacobian rows, a chunk at a time; dense outputs never form ``O x O``), laplace-torch's
 ``la(x, ...)`` and ``predictive_samples``, posterior ``sample`` and ``functional_samples``
 (linearised, or the model run with sampled entries). The link approximations of a
@@ -10,18 +10,19 @@ classification: ``probit``, the Laplace bridge and Monte Carlo.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .._checks import check_bool, check_generator, check_positive_int
 from .._stream import raw_output
 from ..adapter import check_model_kwargs
-from ..enums import Likelihood, LinkApprox, PredType, SubsetOfWeights, parse_enum
-from ._curvature import JacobianStream
+from ..enums import Likelihood, LinkApprox, PredType, parse_enum
+from ._jacobian_rows import JacobianRows
+from ._options import LaplaceOptions
 from ._posterior import Posterior
 
 __all__ = ["GLMPredictive", "Predictive"]
@@ -53,36 +54,73 @@ class GLMPredictive:
     link_approx: LinkApprox | None = None
 
 
-class Predictive(Posterior, JacobianStream):
-    """The GLM predictive at new inputs, from the stream's Jacobian rows whitened by the
-    posterior's form, and samples of the posterior and of the predictive."""
+class Predictive:
+    """The GLM predictive at new inputs, from the posterior's Jacobian rows whitened by its
+    form, and samples of the posterior and of the predictive.
+
+    Args:
+        rows: The posterior's Jacobian rows.
+        posterior: The posterior.
+        options: The posterior's options (``enable_backprop``, the dict batch keys).
+        full_model: The model whose every parameter :meth:`sample` returns (laplace-torch's
+            subnetwork Laplace; ``None``: the subset's entries only).
+    """
+
+    def __init__(
+        self,
+        rows: JacobianRows,
+        posterior: Posterior,
+        options: LaplaceOptions,
+        full_model: nn.Module | None,
+    ) -> None:
+        self._rows, self._post, self._options = rows, posterior, options
+        self._full = full_model
+        self._subset = posterior.subset
+
+    def set_options(self, options: LaplaceOptions) -> None:
+        """The posterior's options after a change (``enable_backprop``)."""
+        self._options = options
+
+    def inputs(self, inputs: Any) -> Any:
+        """Predictive inputs: a dict batch (holding ``dict_key_x`` and ``dict_key_y``) without
+        its ``dict_key_y`` entry; a dict of levels passes unchanged."""
+        kx, ky = self._options.dict_key_x, self._options.dict_key_y
+        if isinstance(inputs, Mapping) and {kx, ky} <= set(inputs):
+            return {k: v for k, v in inputs.items() if k != ky}
+        return inputs
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """``n_samples`` draws ``(n_samples, P)`` from the posterior over the selected entries;
         built by ``Laplace(subset_of_weights="subnetwork")``, every parameter of the model
         ``(n_samples, parameters_to_vector(model.parameters()).numel())``, the others at the
         MAP, as laplace-torch's subnetwork Laplace returns them."""
-        n = check_positive_int(n_samples, "n_samples")
-        generator = check_generator(generator)
-        z = torch.randn(n, self.subset.numel, generator=generator, dtype=self.mean.dtype)
-        draws = self.mean + self._draw(z.to(self.mean.device).T).T
-        if self.subset_of_weights is not SubsetOfWeights.SUBNETWORK:
+        draws = self._draws(n_samples, generator)
+        if self._full is None:
             return draws
-        full = torch.nn.utils.parameters_to_vector(self.model.parameters()).detach()
+        n = draws.shape[0]
+        full = torch.nn.utils.parameters_to_vector(self._full.parameters()).detach()
         full = full.to(draws.dtype).repeat(n, 1)
-        full[:, self.subset.flat_indices().to(full.device)] = draws
+        full[:, self._subset.flat_indices().to(full.device)] = draws
         return full
 
-    def __call__(
+    def _draws(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        """``n_samples`` draws ``(n_samples, P)`` of the selected entries."""
+        n = check_positive_int(n_samples, "n_samples")
+        generator = check_generator(generator)
+        mean = self._post.mean
+        z = torch.randn(n, self._subset.numel, generator=generator, dtype=mean.dtype)
+        return mean + self._post.draw(z.to(mean.device).T).T
+
+    def call(
         self,
         x: Any,
-        pred_type: str | PredType = "glm",
-        joint: bool = False,
-        link_approx: str | LinkApprox = "probit",
-        n_samples: int = 100,
-        diagonal_output: bool = False,
-        generator: torch.Generator | None = None,
-        **model_kwargs: Any,
+        pred_type: str | PredType,
+        joint: bool,
+        link_approx: str | LinkApprox,
+        n_samples: int,
+        diagonal_output: bool,
+        generator: torch.Generator | None,
+        model_kwargs: dict[str, Any],
     ) -> Tensor | list[Tensor] | tuple[Any, Any]:
         """laplace-torch's predictive at ``x`` (any form :func:`~multiscale_jac.pack` accepts).
 
@@ -100,7 +138,7 @@ class Predictive(Posterior, JacobianStream):
             diagonal_output: Regression ``glm``: the marginal variances ``(N, O)`` instead of
                 the covariance.
             generator: Seeds the sampling.
-            **model_kwargs: Keyword arguments for every call of the model's forward in this
+            model_kwargs: Keyword arguments for every call of the model's forward in this
                 predictive (not tensors; laplace-torch's ``**model_kwargs``).
 
         Returns:
@@ -119,30 +157,26 @@ class Predictive(Posterior, JacobianStream):
         joint = check_bool(joint, "joint")
         if pred is PredType.NN and link is not LinkApprox.MC:
             raise ValueError(f"pred_type='nn' supports only link_approx='mc'; got {link.value!r}")
-        kwargs = check_model_kwargs(model_kwargs)
-        self._model_kwargs = kwargs
-        try:
-            if joint and pred is PredType.GLM and self.likelihood is Likelihood.REGRESSION:
+        with self._rows.calling(check_model_kwargs(model_kwargs)):
+            if joint and pred is PredType.GLM and self._post.likelihood is Likelihood.REGRESSION:
                 return self._joint(x)
             return self._call(x, pred, link, n_samples, diagonal_output, generator)
-        finally:
-            self._model_kwargs = {}
 
     def _joint(self, inputs: Any) -> tuple[Tensor, Tensor]:
         """Regression's joint GLM predictive over the batch: the mean ``(N O,)`` and the
         covariance ``(N O, N O)`` across samples and outputs (sample-major), from the whitened
         Jacobian rows of the whole batch (``P x N O`` held at once)."""
-        self._fitted()
-        packed = self._prep.pack(self._inputs(inputs))
+        self._post.fitted()
+        packed = self._rows.pack(self.inputs(inputs))
         means: list[Tensor] = []
         rows: list[Tensor] = []
-        for block in self._blocks(inputs, packed):
+        for block in self._rows.blocks(inputs, packed, self._post.likelihood):
             if block.jac is None:  # pragma: no cover - predictive blocks always carry rows
                 raise RuntimeError("internal error: a predictive block without Jacobian rows")
             means.append(block.out.reshape(-1))
-            rows.append(self._whiten(block.jac))  # (P, rows)
-        v = torch.cat(rows, dim=1)
-        self._warn_fallbacks()
+            rows.append(block.jac)
+        v = self._post.whiten(torch.cat(rows))  # (P, N O): the whole batch's rows held anyway
+        self._rows.warn_fallbacks()
         return torch.cat(means), v.T @ v
 
     def _call(
@@ -154,7 +188,7 @@ class Predictive(Posterior, JacobianStream):
         diagonal_output: bool,
         generator: torch.Generator | None,
     ) -> Tensor | list[Tensor] | tuple[Any, Any]:
-        cls = self.likelihood is Likelihood.CLASSIFICATION
+        cls = self._post.likelihood is Likelihood.CLASSIFICATION
         if pred is PredType.NN:
             samples = self.functional_samples(x, n_samples, linearized=False, generator=generator)
             if cls:
@@ -209,7 +243,7 @@ class Predictive(Posterior, JacobianStream):
             samples = self.functional_samples(
                 x, n_samples, linearized=pred is PredType.GLM, generator=generator
             )
-        if self.likelihood is Likelihood.CLASSIFICATION:
+        if self._post.likelihood is Likelihood.CLASSIFICATION:
             return _per_sample(samples, _softmax, batched=False)
         return samples
 
@@ -256,8 +290,8 @@ class Predictive(Posterior, JacobianStream):
     ) -> GLMPredictive:
         """:meth:`predictive` on checked arguments; ``covariance=False`` skips the ``O x O``
         covariances of vector outputs."""
-        self._fitted()
-        packed = self._prep.pack(self._inputs(inputs))
+        self._post.fitted()
+        packed = self._rows.pack(self.inputs(inputs))
         n = packed.num_samples
         means: list[list[Tensor]] = [[] for _ in range(n)]
         variances: list[list[Tensor]] = [[] for _ in range(n)]
@@ -265,13 +299,13 @@ class Predictive(Posterior, JacobianStream):
         probs: list[list[Tensor]] = [[] for _ in range(n)]
         shapes: list[torch.Size] = [torch.Size()] * n
         vector = True
-        cls = self.likelihood is Likelihood.CLASSIFICATION
-        for block in self._blocks(inputs, packed):
+        cls = self._post.likelihood is Likelihood.CLASSIFICATION
+        for block in self._rows.blocks(inputs, packed, self._post.likelihood):
             i, out, jac, shape = block.i, block.out, block.jac, block.shape
             if jac is None:  # pragma: no cover - predictive blocks always carry rows
                 raise RuntimeError("internal error: a predictive block without Jacobian rows")
             shapes[i] = shape
-            v = self._whiten(jac)  # (P, rows)
+            v = self._post.whiten(jac)  # (P, rows)
             var = (v * v).sum(0)
             f = out.reshape(-1)
             means[i].append(f)
@@ -290,7 +324,7 @@ class Predictive(Posterior, JacobianStream):
         prob_out = (
             _stack_or_list([_join(b, s, cls) for b, s in zip(probs, shapes)]) if cls else None
         )
-        self._warn_fallbacks()
+        self._rows.warn_fallbacks()
         return GLMPredictive(mean, variance, cov_out, prob_out, link if cls else None)
 
     def _probs(
@@ -315,7 +349,7 @@ class Predictive(Posterior, JacobianStream):
             cov = torch.einsum("pcm,pdm->mcd", vc, vc)
             return _bridge(logits.T, cov, normalised=link is LinkApprox.BRIDGE_NORM).T
         z = torch.randn(n_samples, v.shape[0], generator=generator, dtype=v.dtype).to(v.device)
-        eps = self._draw(z.T)  # (P, S)
+        eps = self._post.draw(z.T)  # (P, S)
         fs = logits.reshape(1, -1) + (jac @ eps).T  # (S, rows)
         return torch.softmax(fs.view(n_samples, c, -1), dim=1).mean(0)
 
@@ -340,31 +374,32 @@ class Predictive(Posterior, JacobianStream):
         """
         n_samples = check_positive_int(n_samples, "n_samples")
         linearized = _linearized(linearized, pred_type)
-        thetas = self.sample(n_samples, generator=generator)  # (S, P)
-        packed = self._prep.pack(self._inputs(inputs))
+        thetas = self._draws(n_samples, generator)  # (S, P)
+        packed = self._rows.pack(self.inputs(inputs))
         n = packed.num_samples
-        cls = self.likelihood is Likelihood.CLASSIFICATION
+        likelihood = self._post.likelihood
+        cls = likelihood is Likelihood.CLASSIFICATION
         out: list[Tensor] = []
         if linearized:
-            delta = (thetas - self.mean).T  # (P, S)
+            delta = (thetas - self._post.mean).T  # (P, S)
             parts: list[list[Tensor]] = [[] for _ in range(n)]
             shapes: list[torch.Size] = [torch.Size()] * n
-            for block in self._jacobians(packed):
+            for block in self._rows.jacobians(packed, likelihood):
                 shapes[block.i] = block.shape
                 f = block.out.reshape(-1).unsqueeze(-1)
                 parts[block.i].append((f + block.jac @ delta).T)  # (S, rows)
             out = [_join(p, s, cls, lead=n_samples) for p, s in zip(parts, shapes)]
         else:
-            fn = self._function(packed)
-            with torch.set_grad_enabled(self.enable_backprop):
+            fn = self._rows.function(packed)
+            with torch.set_grad_enabled(self._options.enable_backprop):
                 for i in range(n):
                     levels = tuple(packed.sample(i))
                     rows = [
-                        raw_output(fn, tuple(self.subset.split(theta).values()), levels)[0]
+                        raw_output(fn, tuple(self._subset.split(theta).values()), levels)[0]
                         for theta in thetas
                     ]
                     out.append(torch.stack(rows))
-        self._warn_fallbacks()
+        self._rows.warn_fallbacks()
         return _stack_or_list(out, dim=1)
 
 
