@@ -181,7 +181,7 @@ def _laplace_torch() -> tuple[str, dict[str, str]] | str:
     if not named:
         return (
             f"laplace-torch is not importable here ({said}); set {ENV_VAR} to a Python "
-            "interpreter that has laplace-torch 0.3 to run laplace-torch's examples"
+            "interpreter that has laplace-torch 0.3 to run laplace-torch beside the library"
         )
     env = _base_env(keep_pythonpath=False)
     ok, said = _probe(named, env)

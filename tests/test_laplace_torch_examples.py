@@ -57,8 +57,7 @@ RTOL: dict[str, float] = {
     "huggingface_example": 1e-5,
     # 1.6e-7 (pred_at_prior_1); the gridsearch's numbers in KNOWN_DIFFERENCES
     "readme_snippet": 1e-5,
-    # marglik_at_e_e, f_mu and mt_* equal in all 10 digits (mt_* are laplace-torch's
-    # marglik_training on both sides: the shim does not route it); the rest in LOOSER
+    # marglik_at_e_e and f_mu equal in all 10 digits; the rest in LOOSER
     "regression_example": 1e-5,
     # 1.2e-6 (log_marginal_likelihood)
     "reward_modeling_example": 1e-5,
@@ -95,6 +94,12 @@ LOOSER: dict[tuple[str, str], tuple[float, str]] = {
     # gap 4.9e-2 (the most negative covariance: -0.785 against -0.825); lt 4.5e-2, mj 1.2e-2;
     # at the same hyperparameters laplace-torch's float32 min is 13% off float64's (here 0.5%)
     ("regression_example", "f_cov"): (2e-1, _F32_REGRESSION),
+    # marglik_training: the network and (prior precision, sigma) trained together for 1,000
+    # epochs in float32, where round-off grows through the training (in float64 both sides
+    # agree to 1e-13: tests/test_laplace_torch_differences.py); gap 2.8e-2 / 5.1e-3 / 4.4e-2
+    ("regression_example", "mt_prior_precision"): (1e-1, "float32 round-off over 1,000 epochs"),
+    ("regression_example", "mt_sigma"): (3e-2, "float32 round-off over 1,000 epochs"),
+    ("regression_example", "mt_pred_std"): (1e-1, "float32 round-off over 1,000 epochs"),
     # gap 6.9e-5: the prior precision after 100 Adam steps on the float32 marglik of a Kron
     # posterior over the LoRA weights; float64 gives 0.3695125624 on both sides, float32
     # laplace-torch is off it by 2.3e-6, this library by 7.2e-5

@@ -487,3 +487,39 @@ def test_tune_reaches_the_fit(structure: str) -> None:
     torch.testing.assert_close(hs[0], hs[1], atol=1e-12, rtol=0)
     with pytest.raises(ValueError, match="unknown tune"):
         Laplace(model, "classification", "all", structure, tune="always")
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_h_is_zeros_before_the_fit_and_init_h_forgets_it(structure: str) -> None:
+    """laplace-torch's ``H`` before ``fit``: zeros in the form's layout (the posterior is the
+    prior); ``_init_H()`` forgets a fit."""
+    model = mlp(2)
+    la = Laplace(model, "regression", "all", structure, sigma_noise=0.7)
+    p = la.n_params
+    h = la.H
+    if structure == "kron":
+        dense = h.to_matrix()
+        assert [len(b.factors) for b in h.blocks] == [2, 1] * (len(h.blocks) // 2)
+    else:
+        dense = h
+    assert dense.shape == ((p, p) if structure != "diag" else (p,))
+    assert not dense.any() and la.n_data == 0
+    la.fit(regression_data())
+    fitted = la.H.to_matrix() if structure == "kron" else la.H
+    assert fitted.any() and la.n_data == 7
+    la._init_H()
+    again = la.H.to_matrix() if structure == "kron" else la.H
+    assert not again.any() and la.n_data == 0
+    torch.testing.assert_close(la.mean, la.prior_mean)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        la(torch.zeros(1, 4, dtype=DTYPE))
+
+
+def test_subnetwork_indices_must_be_int64() -> None:
+    model = mlp(2)
+    with pytest.raises(ValueError, match=r"LongTensor \(int64\).*torch.int32.*\.long\(\)"):
+        Laplace(
+            model, "regression", "subnetwork", "full", subnetwork_indices=torch.IntTensor([0, 3])
+        )
+    la = Laplace(model, "regression", "subnetwork", "full", subnetwork_indices=torch.tensor([0, 3]))
+    assert la.n_params == 2

@@ -73,6 +73,7 @@ class LaplaceCalls:
     and the posterior (:class:`LaplaceBase` builds the parts)."""
 
     _posterior: Posterior
+    _curvature: Curvature
     _predictive: Predictive
     _rows: JacobianRows
     _options: LaplaceOptions
@@ -371,8 +372,19 @@ class LaplaceCalls:
 
     @property
     def H(self) -> Any:
-        """The curvature in the form's layout (``None`` before :meth:`fit`)."""
-        return self._posterior.h
+        """The curvature in the form's layout: ``(P, P)``, ``(P,)`` or Kronecker factors; zeros
+        before :meth:`fit`, as laplace-torch's (the posterior is then the prior)."""
+        h = self._posterior.h
+        return self._curvature.zeros(self._posterior.map) if h is None else h
+
+    def _init_H(self) -> None:
+        """laplace-torch's call: forget the fit (``H`` zeros, no data seen)."""
+        self._posterior.forget()
+
+    @property
+    def _device(self) -> torch.device:
+        """laplace-torch's name: where the posterior's tensors live."""
+        return self._posterior.map.device
 
     @property
     def mean(self) -> Tensor:

@@ -77,6 +77,9 @@ class DiagGGN:
         """``h`` of both fits: the sum."""
         return old.h + new.h
 
+    def zeros(self, like: Tensor) -> Tensor:
+        return like.new_zeros(self._prep.subset.numel)
+
     def h_state(self, h: Tensor) -> Tensor:
         return h
 

@@ -49,6 +49,10 @@ class Curvature(Protocol):
         """The curvature of ``old`` and ``new`` together (``fit(..., override=False)``)."""
         ...
 
+    def zeros(self, like: torch.Tensor) -> Any:
+        """The curvature before any fit: zeros in the form's layout (laplace-torch's)."""
+        ...
+
     def h_state(self, h: Any) -> Any:
         """``h`` as plain values (tensors, lists) for ``state_dict``."""
         ...

@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..enums import (
@@ -270,6 +271,11 @@ def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -
     if isinstance(indices, ParamSubset):
         indices.check_model(model)
         return indices
+    if isinstance(indices, Tensor) and indices.dtype != torch.int64:
+        raise ArgumentTypeError(  # laplace-torch refuses int32 indices with a ValueError too
+            f"subnetwork_indices must be a LongTensor (int64), as laplace-torch's; got "
+            f"{indices.dtype}: convert it with .long()"
+        )
     if not isinstance(indices, Tensor) or indices.dim() != 1:
         what = (
             f"shape {tuple(indices.shape)}"

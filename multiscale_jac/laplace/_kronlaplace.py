@@ -83,6 +83,21 @@ class KronGGN:
         total = old.n_data + new.n_data
         return old.h.scaled(old.n_data / total) + new.h.scaled(new.n_data / total)
 
+    def zeros(self, like: Tensor) -> KronCurvatureFactors:
+        """Zero factors: ``G`` ``(out, out)`` and ``A`` ``(in, in)`` of each weight (``in``:
+        its entries per output), ``G`` of each bias."""
+        subset = self._prep.subset
+        shapes = {n: p.shape for n, p in self._prep.model.named_parameters()}
+        blocks = []
+        for name in sorted(subset.offsets, key=lambda n: subset.offsets[n][0]):
+            out = shapes[name][0]
+            fan_in = subset.offsets[name][1] - subset.offsets[name][0]
+            factors = [like.new_zeros(out, out)]
+            if len(shapes[name]) > 1:
+                factors.append(like.new_zeros(fan_in // out, fan_in // out))
+            blocks.append(KronBlock(name, factors))
+        return KronCurvatureFactors(blocks)
+
     def h_state(self, h: KronCurvatureFactors) -> list[list[Tensor]]:
         return [list(b.factors) for b in h.blocks]
 

@@ -141,7 +141,7 @@ class LargestVarianceDiagLaplaceSubnetMask(ScoreBasedSubnetMask):
 
     def compute_param_scores(self, train_loader: Iterable[Any] | None) -> Tensor:
         la = self.diag_laplace_model
-        if la.H is None:
+        if la.n_data == 0:  # not fitted yet
             if train_loader is None:
                 raise ValueError("select(train_loader) needs the data to fit the diagonal Laplace")
             la.fit(train_loader)

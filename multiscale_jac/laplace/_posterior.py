@@ -201,6 +201,12 @@ class Posterior:
         self._n_outputs = fit.n_outputs
         self._scale = None
 
+    def forget(self) -> None:
+        """Back to no fit: the posterior is the prior (laplace-torch's ``_init_H``)."""
+        self._h, self._loss, self._n_data, self._n_entries = None, 0.0, 0, 0
+        self._n_outputs, self._scale = None, None
+        self._mean = self._prior.mean.detach().clone()
+
     def restore(self, fit: CurvatureFit) -> None:
         """A saved fit in place of this one (``load_state_dict``)."""
         self._h, self._loss = fit.h, fit.loss

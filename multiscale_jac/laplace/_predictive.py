@@ -10,7 +10,7 @@ classification: ``probit``, the Laplace bridge and Monte Carlo.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_bool, check_generator, check_positive_int
+from .._memory import DEFAULT_JACOBIAN_BYTES
 from .._stream import raw_output
 from ..adapter import check_model_kwargs
 from ..enums import Likelihood, LinkApprox, PredType, parse_enum
-from ._jacobian_rows import JacobianRows
+from ._jacobian_rows import Block, JacobianRows
 from ._options import LaplaceOptions
 from ._posterior import Posterior
 
@@ -170,14 +171,40 @@ class Predictive:
         packed = self._rows.pack(self.inputs(inputs))
         means: list[Tensor] = []
         rows: list[Tensor] = []
-        for block in self._rows.blocks(inputs, packed, self._post.likelihood):
-            if block.jac is None:  # pragma: no cover - predictive blocks always carry rows
-                raise RuntimeError("internal error: a predictive block without Jacobian rows")
+        for block, v in self._whitened(self._rows.blocks(inputs, packed, self._post.likelihood)):
             means.append(block.out.reshape(-1))
-            rows.append(block.jac)
-        v = self._post.whiten(torch.cat(rows))  # (P, N O): the whole batch's rows held anyway
+            rows.append(v)
+        v = torch.cat(rows, dim=1)  # (P, N O): the whole batch's rows
         self._rows.warn_fallbacks()
         return torch.cat(means), v.T @ v
+
+    def _whitened(self, blocks: Iterable[Block]) -> Iterator[tuple[Block, Tensor]]:
+        """Every block with its whitened rows ``V`` ``(P, rows)``, blocks whitened together
+        while their rows fit the default bytes of Jacobian rows (one call of the form for many
+        small blocks; one block at a time under a ``memory_budget``). The joint and the
+        marginal predictive group alike, so their variances agree to round-off."""
+        cap = 0 if self._options.memory_budget is not None else DEFAULT_JACOBIAN_BYTES
+        group: list[Block] = []
+        size = 0
+        for block in blocks:
+            if block.jac is None:  # pragma: no cover - predictive blocks always carry rows
+                raise RuntimeError("internal error: a predictive block without Jacobian rows")
+            row = block.jac.shape[1] * block.jac.element_size()
+            if group and (size + block.jac.shape[0]) * row > cap:
+                yield from self._whiten_group(group)
+                group, size = [], 0
+            group.append(block)
+            size += block.jac.shape[0]
+        if group:
+            yield from self._whiten_group(group)
+
+    def _whiten_group(self, group: list[Block]) -> Iterator[tuple[Block, Tensor]]:
+        v = self._post.whiten(torch.cat([b.jac for b in group]))  # type: ignore[misc]
+        start = 0
+        for b in group:
+            rows = b.jac.shape[0]  # type: ignore[union-attr]
+            yield b, v[:, start : start + rows]
+            start += rows
 
     def _call(
         self,
@@ -300,12 +327,10 @@ class Predictive:
         shapes: list[torch.Size] = [torch.Size()] * n
         vector = True
         cls = self._post.likelihood is Likelihood.CLASSIFICATION
-        for block in self._rows.blocks(inputs, packed, self._post.likelihood):
+        blocks = self._rows.blocks(inputs, packed, self._post.likelihood)
+        for block, v in self._whitened(blocks):  # v: (P, rows)
             i, out, jac, shape = block.i, block.out, block.jac, block.shape
-            if jac is None:  # pragma: no cover - predictive blocks always carry rows
-                raise RuntimeError("internal error: a predictive block without Jacobian rows")
             shapes[i] = shape
-            v = self._post.whiten(jac)  # (P, rows)
             var = (v * v).sum(0)
             f = out.reshape(-1)
             means[i].append(f)

@@ -105,6 +105,10 @@ class SubsetGGN:
         """``H`` of both fits: the sum."""
         return old.h + new.h
 
+    def zeros(self, like: Tensor) -> Tensor:
+        p = self._subset.numel
+        return like.new_zeros(p, p)
+
     def h_state(self, h: Tensor) -> Tensor:
         return h
 

@@ -122,6 +122,9 @@ class _SubnetName(type):
         return isinstance(obj, _mj_DiagLaplace) and "subnetwork" in _kinds(obj)
 
     def __subclasscheck__(cls, sub):
+        # [shim fix, 2026-12-07] a routed FullSubnetLaplace / DiagSubnetLaplace is one too
+        if getattr(sub, "_subset_of_weights", None) == "subnetwork":
+            return True
         return issubclass(sub, cls._target)
 
     def __getattr__(cls, name):
