@@ -93,10 +93,14 @@ class LaplaceCalls:
         n_samples: int = 100,
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
+        fitting: bool = False,
         **model_kwargs: Any,
     ) -> Tensor | list[Tensor] | tuple[Any, Any]:
-        """laplace-torch's predictive at ``x`` (:meth:`~._predictive.Predictive.call`)."""
-        with self._graph():
+        """laplace-torch's predictive at ``x`` (:meth:`~._predictive.Predictive.call`);
+        ``fitting=True`` (laplace-torch's, for ``reward_modeling``): the predictive of the fit's
+        likelihood, a classification of the pair."""
+        fit = self._posterior.fitting() if check_bool(fitting, "fitting") else None
+        with self._graph(), fit or contextlib.nullcontext():
             return self._predictive.call(
                 x,
                 pred_type,
