@@ -117,11 +117,10 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(self.blocks(self.embed(x) + self.pos)).mean(dim=1))
 
 
-# ---------------------------------------------------------------------- the zoo of the earlier suites
+# ---------------------------------------------------------------------- the earlier suites' zoo
 VGG11_CFG: list[int | str] = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
 
-# ---------------------------------------------------------------------- models
 class VGG(nn.Module):
     """CIFAR VGG11 with BatchNorm, every width multiplied by ``scale``."""
 
@@ -185,14 +184,7 @@ def build_bn_model(name: str, seed: int = 0) -> nn.Module:
     """The named model in eval mode, its BatchNorm running statistics set by three seeded
     forward passes in train mode (so that eval-mode BatchNorm is not the identity)."""
     torch.manual_seed(seed)
-    if name == "vgg11_bn_q":
-        model: nn.Module = VGG(0.25)
-    elif name == "vgg11_bn_h":
-        model = VGG(0.5)
-    elif name == "resnet8":
-        model = ResNet8()
-    else:
-        raise ValueError(f"unknown model {name!r}")
+    model = {"vgg11_bn_q": lambda: VGG(0.25), "resnet8": ResNet8}[name]()
     g = torch.Generator().manual_seed(seed + 100)
     model.train()
     with torch.no_grad():

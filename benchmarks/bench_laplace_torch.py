@@ -1,45 +1,13 @@
 """The library's laplace-torch front door against laplace-torch, and its K-FAC against the
-per-sample hook loop a user would write, on the same data (``--rows``, default all):
+per-sample hook loop a user would write, on the same data (``--rows``; docs/benchmarks.md):
+``backprop`` (laplace-torch's bayesopt example: the joint GLM predictive and a backward to its
+inputs; target <= 1.1x), ``subnet@k`` (a subnetwork Laplace fit over ``k`` entries of
+``_models.CifarNet(32)``; <= 1.0x), ``subnet_fpn@128`` (on the ragged head), ``kron`` (K-FAC of
+a head shared by three FPN levels on images of four sizes; <= 1.2x the hook loop). Per row and
+method: the median of ``--repeats`` interleaved rounds, in training steps, the results' largest
+relative difference and a fresh worker's peak RSS rise. Needs laplace-torch::
 
-``backprop``  laplace-torch's bayesopt example (examples/bayesopt_example.py): its MLP trained
-    as there on 20 Branin points, ``Laplace(net, "regression", subset_of_weights="all",
-    hessian_structure="kron", enable_backprop=True)``, fitted, ``optimize_prior_precision(
-    n_steps=50)``; timed: the joint GLM predictive ``la(X, pred_type="glm", joint=True)`` on the
-    example's ``(4, 5, 2)`` query batch (20 points, ``requires_grad``) and a backward of its
-    mean and variance to ``X`` (the acquisition's step). Target: library <= 1.1x laplace-torch.
-``subnet@k``  ``Laplace(model, "classification", subset_of_weights="subnetwork",
-    hessian_structure="full", subnetwork_indices=idx).fit(loader)`` on ``_models.CifarNet(32)``
-    (32x32x3, ``--batches`` batches of 32), ``k`` random sorted entries, the same call for both.
-    Target: library <= 1.0x. ``subnet_fpn@128``: the same on the ragged head below (library:
-    the ragged batch in one ``fit``; laplace-torch: per shape bucket, ``override=False``).
-``kron``  K-FAC Laplace of a RetinaNet-style head shared by three FPN levels (strides 8, 16,
-    32; two 3x3 convs and a 3x3 classifier conv per level, ``C`` channels; per-image logits:
-    each level's logits averaged over its positions, summed over levels) on ``N`` images of
-    four sizes (four shape signatures): the library's ``KronLaplace`` on the ragged batch;
-    laplace-torch's ``KronLaplace`` (``CurvlinopsGGN``) per shape bucket (a loader of the
-    bucket's samples flattened into one row each and a wrapper reshaping them into the levels,
-    ``fit(..., override=False)`` after the first bucket: its rule weights each fit's ``A`` by its
-    share of the samples, so the result is the fit over all of them); and the hand-written
-    reference: forward hooks (module inputs) and backward hooks (output gradients) on the
-    Linear/Conv2d layers, one sample at a time at its own shapes, the exact-GGN factors
-    (KFAC-expand, the library's convention: ``A`` the mean over samples of each call's
-    position-averaged input patches' outer products, ``G`` the sum over the ``C`` backward
-    passes of ``f . sqrt(p_c)(e_c - p)``). Target: library <= 1.2x the hook loop.
-
-Per row and method: seconds (median of ``--repeats`` interleaved rounds, one call of each
-method per round in rotating order, after a warm-up call), the ratio to a training step of the
-same model on the same data measured in the same rounds, ``library / method`` (the median over
-the rounds of the two calls' ratio), the largest relative difference between the library's
-result and the method's (predictive mean, covariance and input gradient; ``H``; the K-FAC
-factors, the posterior precision against laplace-torch), and the peak RSS rise of one call in
-a fresh worker process (setup first).
-
-Needs laplace-torch (and this repo on ``PYTHONPATH``); run it in the laplace-torch venv::
-
-    PYTHONPATH=$PWD /tmp/lt/bin/python benchmarks/bench_laplace_torch.py [--rows kron] [--threads 1]
-
-Writes ``benchmarks/results/bench_laplace_torch.json`` (rows run now replace those rows) and the
-table of every row in it, also printed, to ``benchmarks/results/bench_laplace_torch.md``.
+    PYTHONPATH=$PWD /tmp/lt/bin/python benchmarks/bench_laplace_torch.py [--rows kron]
 """
 
 from __future__ import annotations
@@ -53,19 +21,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import _common as common
 import torch
-from _common import (
-    env_stamp,
-    fmt_bytes,
-    fmt_seconds,
-    load_average,
-    markdown_table,
-    measure_peak_memory,
-    median,
-    run_worker,
-    timed_call,
-    write_json,
-)
+from _common import fmt_bytes, fmt_seconds, median, timed_call
 from torch import Tensor, nn
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -282,16 +240,14 @@ def case_subnet(args: argparse.Namespace, k: int, fpn: bool) -> tuple[dict, list
         la = cls(model, "classification", **opts, subnetwork_indices=idx.clone())
         return la.fit(data) or la  # laplace-torch's fit returns None
 
+    theirs = functools.partial(fit, laplace.Laplace, model, ours)
+    if fpn:  # per shape bucket
+        kw = {**opts, "subnetwork_indices": idx}
+        theirs = functools.partial(fit_theirs, model, parts, laplace.Laplace, **kw)
     methods = {
         "train_step": lambda: train_step(model, flat_batches(model, parts) if fpn else ours),
         LIB: lambda: fit(mjl.Laplace, model.head if fpn else model, ours),
-        "laplace-torch": (
-            functools.partial(
-                fit_theirs, model, parts, laplace.Laplace, **opts, subnetwork_indices=idx
-            )
-            if fpn
-            else functools.partial(fit, laplace.Laplace, model, ours)
-        ),
+        "laplace-torch": theirs,
     }
     return methods, [("laplace-torch", 1.0, lambda r: rel(r[LIB].H, r["laplace-torch"].H))]
 
@@ -343,17 +299,15 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     case, method = args.worker.split(":", 1)
     methods, _ = CASES[case](args)
-    rec = measure_peak_memory(methods[method], "cpu")
+    rec = common.measure_peak_memory(methods[method], "cpu")
     print(json.dumps({k: v for k, v in rec.items() if k != "result"}, default=str))
 
 
 def measure(args: argparse.Namespace, case: str) -> dict[str, Any]:
     """One row: memory workers, then warm-up and ``--repeats`` interleaved rounds."""
     methods, refs = CASES[case](args)
-    memory = {
-        m: run_worker([__file__, *sys.argv[1:], "--worker", f"{case}:{m}"], timeout_s=1800)
-        for m in methods
-    }
+    worker = [__file__, *sys.argv[1:], "--worker"]
+    memory = {m: common.run_worker([*worker, f"{case}:{m}"], timeout_s=1800) for m in methods}
     names = list(methods)
     results = {m: timed_call(methods[m], "cpu")[1] for m in names}  # warm-up
     times: dict[str, list[float]] = {m: [] for m in names}
@@ -376,7 +330,7 @@ def measure(args: argparse.Namespace, case: str) -> dict[str, Any]:
             "peak_rss_rise_bytes": memory[m].get("peak_memory_bytes"),
             "memory_worker": memory[m],
         })  # fmt: skip
-    return {"row": case, "methods": recs, "load_average_after": load_average()}
+    return {"row": case, "methods": recs, "load_average_after": common.load_average()}
 
 
 def table(rows: dict[str, Any]) -> str:
@@ -392,18 +346,15 @@ def table(rows: dict[str, Any]) -> str:
                 fmt_bytes(r["peak_rss_rise_bytes"]),
             ])  # fmt: skip
     heads = ["row", "method", "seconds", "x train step", "library / method", "target"]
-    return markdown_table([*heads, "max rel diff", "peak RSS rise (MiB)"], out)
+    return common.markdown_table([*heads, "max rel diff", "peak RSS rise (MiB)"], out)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="backprop,subnet,subnet_fpn,kron")
-    p.add_argument("--n", type=int, default=48)
-    p.add_argument("--channels", type=int, default=32)
-    p.add_argument("--classes", type=int, default=8)
-    p.add_argument("--batches", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    ints = {"--n": 48, "--channels": 32, "--classes": 8, "--batches": 2, "--threads": 1}
+    for flag, default in {**ints, "--repeats": 3}.items():
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -417,7 +368,7 @@ def main() -> int:
 
     import multiscale_jac
 
-    env = env_stamp("cpu")
+    env = common.env_stamp("cpu")
     env["laplace_torch"] = getattr(laplace, "__version__", "unknown")
     env["multiscale_jac_path"] = multiscale_jac.__file__  # a snapshot may stand in for the tree
     wanted = args.rows.split(",")
@@ -427,7 +378,7 @@ def main() -> int:
         print(f"{case}: done", flush=True)
     text = table(old["rows"])
     print(text)
-    write_json(path, old)
+    common.write_json(path, old)
     (Path(args.out) / "bench_laplace_torch.md").write_text(text + "\n")
     return 0
 

@@ -1,69 +1,12 @@
-"""The benchmark grid: the library against the code a user would write instead, a cell a process.
+"""The benchmark grid: the library against the code a user would write, a cell a process.
 
-A cell is a workload on a model with its named grid's parameters (batch size ``n``, entries
-``k``: ``workload/model[@n=..,k=..]``). Every method of a cell is timed side by side in ONE
-fresh worker process, the training step every ratio is divided by included; checked against
-one float64 reference; and measured for peak memory in a fresh process of its own. One timing
-method: ``torch.utils.benchmark.Timer`` (``_common.timer_median``, ``_common.timed_call``).
-
-Named grids (``--grid``, ``FAMILIES``; ``all``: every one; ``--quick``: each one's small form)
-    main           every workload x model below, every method
-    choice         the main cells' library methods: auto against every forced route
-    batch          the Fisher and the Jacobian norm at several batch sizes, peak memory
-    entries        subset Jacobians at several numbers of entries
-    dense          a Laplace fit of per-pixel outputs, sliced (``memory_budget``) or not
-    laplace_torch  SubnetLaplace against laplace-torch's subnetwork Laplace (optional peer)
-    first_call     each role in a fresh process (``run_roles``): the library's first and warm
-                   calls, the user's code, ``tune=False``, the first call after
-                   ``multiscale_jac.tuning.load``, ``memory_budget=`` on the batch and on
-                   one sample (the fixed overhead); peak RSS of each first call
-
-Workloads
-    jacobian  per-sample Jacobian of all outputs w.r.t. all parameters, uniform batch (N=16)
-    ragged    the same on a ragged batch of multi-level samples (several shape buckets)
-    subset    element-subset Jacobian of 200 random entries (``ParamSubset.from_flat_indices``)
-    fisher    diagonal empirical Fisher, classification (N=128)
-    jacnorm   ``jacobian_sq_norm(model, x).backward()``, one scalar output per sample (n=128)
-    laplace   ``SubnetLaplace(model, "classification", subset).fit(data)``, 100 entries (B=32)
-
-Models (``SPECS``; ``_models.py``): ``vgg11_bn_q``, ``resnet8``, ``cnn3``, ``cnn8``,
-``convblock``, ``convblock_wide``, ``tinyfpn``, ``sharedfpn``, ``cifarnet32``/``48``,
-``seg_head`` (per-pixel classes), and architectures the cost model was not tuned on, fixed
-before measuring: ``tanh_cnn``, ``gelu_cnn``, ``gn_dw``, ``det_head`` (a detection head over
-ragged pyramid levels), ``transformer``, ``bifpn`` (the zoo's effdet-style BiFPN, whose ragged
-cell gives every sample a shape of its own and one entry in every tensor of every node).
-
-Methods (``--methods``: names or glob patterns; one that does not apply is recorded with the
-reason)
-    train_step         forward, loss, backward, SGD step (per shape bucket): every ratio's unit
-    loop_func          a Python loop over samples of ``torch.func.jacrev`` (fisher: ``grad``;
-                       jacnorm: ``grad`` of the squared norm of ``jacrev``)
-    vmap_chunks        ``vmap(jacrev)`` / ``vmap(grad)`` in chunks, per shape bucket
-    vmap_double_bwd    jacnorm: ``grad`` of the squared norm of ``vmap(grad)``, 16 a chunk
-    fwd_over_rev       jacnorm: ``vmap(grad)``, then ``2 sum_i H_i g_i`` by ``jvp`` of ``grad``
-    autograd_jacobian  ``torch.autograd.functional.jacobian(vectorize=True)`` per shape bucket
-    backpack, opacus, curvlinops, laplace_torch   the peers, where installed
-    library_auto       the library with its defaults; ``library_<route>``: every forced route
-
-Timing: each method first runs on a small slice (its time scaled to the batch decides whether
-it runs at all: ``--method-limit``), then once on the batch (a library method's first call:
-fresh model copy, plan cache cleared), then ``Timer.blocked_autorange``. The contenders (the
-training step, auto, the two fastest peers and forced routes) then run interleaved, one call
-each per round, ``--rounds`` rounds, their ``seconds`` the median over the rounds.
-
-Output: ``grid.json`` (``grid_quick.json``) in ``--out`` (benchmarks/results): ``runs`` (each
-with its environment stamp and configuration) and ``cells`` (each naming its ``family`` and
-``run``; a run replaces the cells it measured and keeps the others); then ``render.py``
-writes ``grid.md`` and the plots beside it.
-
-Usage::
-
-    python benchmarks/bench_peers.py --grid all --quick   # every named grid, small cells
-    python benchmarks/bench_peers.py --grid main batch    # two named grids, full size
-    python benchmarks/bench_peers.py --check              # float64 agreement of every method
-    python benchmarks/bench_peers.py --dry --grid all     # list the cells and methods only
-    python benchmarks/bench_peers.py --cells fisher/resnet8 --memory none
-    python benchmarks/bench_peers.py --device cuda --quick --out /tmp/gpu
+A cell (``workload/model[@n=..,k=..]``) times every method (:func:`methods_for`) in ONE fresh
+worker with ``torch.utils.benchmark.Timer``, checks it against a float64 reference and measures
+its peak memory in a fresh process; the named grids (``--grid``) are :data:`FAMILIES`, and
+docs/benchmarks.md says how numbers are taken. Writes ``grid.json`` (``--quick``:
+``grid_quick.json``) in ``--out``, a run replacing the cells it measured, then ``render.py``'s
+``grid.md`` and plots. ``--dry`` lists the cells and methods, ``--check`` runs the float64
+check alone, ``--grid all --quick`` every named grid's small cells.
 """
 
 from __future__ import annotations
@@ -89,38 +32,12 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import _common as common
+import _models as zoo
 import torch
 import torch.nn.functional as F
-from _common import (
-    MEMORY_CAVEAT_CPU,
-    MEMORY_CAVEAT_CUDA,
-    TimeLimit,
-    Timer,
-    env_stamp,
-    error_text,
-    load_average,
-    malloc_env,
-    markdown_table,
-    measure_peak_memory,
-    run_worker,
-    time_limit,
-    timed_call,
-    timer_median,
-    write_json,
-)
-from _models import (
-    NUM_CLASSES,
-    WIDTHS,
-    CifarNet,
-    DetectionHead,
-    GeluCNN,
-    GroupNormDepthwise,
-    PlainCNN,
-    SegHead,
-    StridedTanhCNN,
-    TinyTransformer,
-    build_bn_model,
-)
+from _common import TimeLimit, error_text, run_worker, time_limit, timed_call
+from _models import GeluCNN, GroupNormDepthwise, StridedTanhCNN, TinyTransformer
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, jvp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,57 +51,41 @@ sys.path.insert(0, str(SCRIPT.parents[1] / "tests"))  # the zoo's BiFPN: one def
 from cases import BiFPN  # noqa: E402
 
 DEFAULT_OUT = SCRIPT.parent / "results"
+CLASSES = zoo.NUM_CLASSES
 
 WORKLOADS = ("jacobian", "ragged", "subset", "fisher", "jacnorm", "laplace")
 JACOBIAN_LIKE = ("jacobian", "ragged", "subset")
-_NEW = ("tanh_cnn", "gelu_cnn", "gn_dw")
+_NEW, _NEWER = ("tanh_cnn", "gelu_cnn", "gn_dw"), ("det_head", "transformer")
 #: which models run in which workload (``--quick``: ``QUICK_GRID``)
 GRID: dict[str, tuple[str, ...]] = {
-    "jacobian": ("resnet8", "convblock", "tinyfpn", *_NEW, "det_head", "transformer"),
+    "jacobian": ("resnet8", "convblock", "tinyfpn", *_NEW, *_NEWER),
     "ragged": ("convblock", "tinyfpn", "sharedfpn", "det_head", "bifpn"),
-    "subset": (
-        "convblock_wide",
-        "resnet8",
-        "vgg11_bn_q",
-        *_NEW,
-        "det_head",
-        "transformer",
-        "bifpn",
-    ),
+    "subset": ("convblock_wide", "resnet8", "vgg11_bn_q", *_NEW, *_NEWER, "bifpn"),
     "fisher": ("vgg11_bn_q", "resnet8", *_NEW, "transformer"),
     "jacnorm": ("cnn3", "cnn8", *_NEW, "transformer"),
     "laplace": ("resnet8", "vgg11_bn_q", *_NEW, "transformer"),
 }
-QUICK_GRID: dict[str, tuple[str, ...]] = {
-    "jacobian": ("gelu_cnn",),
-    "ragged": ("det_head",),
-    "subset": ("gelu_cnn",),
-    "fisher": ("resnet8",),
-    "jacnorm": ("gelu_cnn",),
-    "laplace": ("gelu_cnn",),
-}
+QUICK_GRID = {w: ({"ragged": "det_head", "fisher": "resnet8"}.get(w, "gelu_cnn"),) for w in GRID}
 #: batch size per workload (full, quick)
-SIZES = {
-    "jacobian": (16, 8),
-    "ragged": (16, 8),
-    "subset": (16, 8),
-    "fisher": (128, 32),
-    "jacnorm": (128, 16),
-    "laplace": (32, 16),
-}
+SIZES = {"fisher": (128, 32), "jacnorm": (128, 16), "laplace": (32, 16)}
+SIZES.update(dict.fromkeys(JACOBIAN_LIKE, (16, 8)))
 SUBSET_K = {"subset": 200, "laplace": 100}
 CHECK_SAMPLES = 3  # the float64 slice (ragged: 3 samples, else 2) and the warm-up slice
 VMAP_CHUNK = 16  # samples per vmap call of the Jacobian / Jacobian-norm peers
 #: the timing workers' glibc malloc settings (``--malloc fixed``): freed memory stays in the
-#: heap (no trim) and blocks up to 32 MiB (glibc's largest threshold) come from it. With
-#: glibc's dynamic default the heap is trimmed after large frees, and the next call's page
-#: faults made a route's time depend on what ran before it in the process: the same route on
-#: the same data took 47 or 74-156 ms (subset/gelu_cnn, vmap/16), and the fastest samples per
-#: call changed with it. Fixed, every method (peers and library alike) runs 30-40% faster here
-#: and repeats within a few percent. ``--malloc default`` keeps glibc's behaviour.
+#: heap and blocks up to 32 MiB come from it. With glibc's dynamic default a route's time
+#: depended on what ran before it in the process (47 or 74-156 ms for the same call); fixed,
+#: every method runs 30-40% faster here and repeats within a few percent.
 MALLOC_FIXED = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
 FISHER_VMAP_CHUNK = 32  # bench_fisher's
 CHUNK_BYTES = 256 * 2**20  # vmap(jacrev): fewer samples per call when their Jacobian is larger
+#: auto's peak memory against its route forced: pairs of fresh processes (auto, then the route
+#: it ran forced with tune=False), medians: one process's RSS rise of a small call varied by
+#: 5-10 MiB (subset/vgg11_bn_q's route: 11.6-17.0 MiB); a rise below one page counts as one
+MEMORY_PAIRS, PAGE = 3, 4096
+CHOSEN = "library_chosen"  # the memory workers' name for auto's route forced (--route: its options)
+REUSED = "a module is applied more than once per forward (shared over levels); its hooks keep one"
+NO_SECOND = "no per-sample second derivatives (the regulariser's gradient needs them)"
 
 
 class Skip(Exception):
@@ -194,9 +95,10 @@ class Skip(Exception):
 # ---------------------------------------------------------------------- models and cells
 @dataclass(frozen=True)
 class ModelSpec:
-    """``kind``: ``image`` (``(3, 32, 32)`` per sample), ``tokens`` (``(16, 16)``) or ``levels``
+    """``kind``: ``image`` (``(3, *image_hw)`` a sample), ``tokens`` (``(16, 16)``) or ``levels``
     (a list of ``(C_l, H_l, W_l)`` maps, ``levels(h, w)`` their shapes); ``classifier``: the
-    output is ``(B, classes)`` logits."""
+    output is ``(B, classes)`` logits; ``dense``: per-pixel classes (targets ``(N, H, W)``);
+    ``ragged_entries``: the flat indices the ragged workload differentiates (else all)."""
 
     name: str
     build: Callable[[int], nn.Module]  # num_outputs -> model (built under a fixed seed)
@@ -206,17 +108,9 @@ class ModelSpec:
     levels: Callable[[int, int], list[tuple[int, ...]]] | None = None
     uniform_hw: tuple[int, int] = (0, 0)
     ragged_hw: tuple[tuple[int, int], ...] = ()
-    #: the ragged workload differentiates these entries (flat indices into the parameter
-    #: vector) instead of every parameter
     ragged_entries: Callable[[nn.Module], Tensor] | None = None
-    #: ``image``: the input's height and width; ``dense``: per-pixel classes (targets
-    #: ``(N, H, W)``, outputs ``(N, C, H, W)``, the classes first)
     image_hw: tuple[int, int] = (32, 32)
     dense: int = 0
-
-
-def _half(n: int, k: int) -> int:
-    return math.ceil(n / 2**k)
 
 
 def _fixed(factory: Callable[[], nn.Module], outputs: tuple[int, ...], why: str) -> Any:
@@ -229,33 +123,29 @@ def _fixed(factory: Callable[[], nn.Module], outputs: tuple[int, ...], why: str)
 
 
 def _zoo(name: str, desc: str, *, jacnorm: bool = False) -> ModelSpec:
-    if jacnorm:
-        build = lambda: PlainCNN(WIDTHS[name], pool_every=1 if name == "cnn3" else 2)  # noqa: E731
-        return ModelSpec(
-            name, _fixed(build, (1,), f"{name} has one scalar output"), "image", desc, False
-        )
-    build = lambda: build_bn_model(name, 0)  # noqa: E731  (BatchNorm statistics set, eval)
-    return ModelSpec(
-        name, _fixed(build, (NUM_CLASSES,), f"{name} is a 10-class classifier"), "image", desc
+    if jacnorm:  # a plain CNN, one scalar output
+        build = lambda: zoo.PlainCNN(zoo.WIDTHS[name], pool_every=1 if name == "cnn3" else 2)  # noqa: E731
+    else:  # a BatchNorm classifier, its statistics set, eval mode
+        build = lambda: zoo.build_bn_model(name, 0)  # noqa: E731
+    out, why = (
+        ((1,), "has one scalar output") if jacnorm else ((CLASSES,), "is a 10-class classifier")
     )
+    return ModelSpec(name, _fixed(build, out, f"{name} {why}"), "image", desc, not jacnorm)
 
 
 def _pyramid(h: int, w: int, ch: int = 8, n: int = 3) -> list[tuple[int, ...]]:
-    return [(ch, _half(h, k), _half(w, k)) for k in range(n)]
+    return [(ch, math.ceil(h / 2**k), math.ceil(w / 2**k)) for k in range(n)]
 
 
-def _levels(
-    name: str, factory: Callable[[], nn.Module], desc: str, levels: Any, hw: Any, ragged: Any = ()
-) -> ModelSpec:
-    build = _fixed(factory, (0, NUM_CLASSES), f"{name} has a fixed dense output")
-    return ModelSpec(name, build, "levels", desc, False, levels, hw, ragged)
+def _levels(name: str, factory: Callable[[], nn.Module], desc: str, *shape: Any, **kw: Any) -> Any:
+    build = _fixed(factory, (0, CLASSES), f"{name} has a fixed dense output")
+    return ModelSpec(name, build, "levels", desc, False, *shape, **kw)
 
 
 _RAGGED4 = ((12, 12), (12, 16), (16, 12), (8, 16))
-#: the BiFPN's pyramids: 8/12/16 channels at strides 1, 2, 4 (sizes divisible by 4)
+#: the BiFPN's pyramids: 8/12/16 channels at strides 1, 2, 4; 16 shapes, every sample of a
+#: ragged batch of 16 its own (the coarsest level at least 2x2, for the step's BatchNorm)
 BIFPN_CHANNELS = (8, 12, 16)
-#: 16 shapes: a ragged batch of 16 where every sample has a shape of its own (the coarsest
-#: level at least 2x2: the training step's BatchNorm needs more than one value a channel)
 _BIFPN_HW = tuple((h, w) for h in (8, 12, 16, 20) for w in (8, 12, 16, 20))
 
 
@@ -269,10 +159,6 @@ def _bifpn() -> nn.Module:
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
     return model
-
-
-def _bifpn_levels(h: int, w: int) -> list[tuple[int, ...]]:
-    return [(c, h >> k, w >> k) for k, c in enumerate(BIFPN_CHANNELS)]
 
 
 def _bifpn_spread(model: nn.Module) -> Tensor:
@@ -308,7 +194,7 @@ SPECS: dict[str, ModelSpec] = {
         *(
             ModelSpec(
                 f"cifarnet{w}",
-                lambda c, w=w: CifarNet(w, c),
+                lambda c, w=w: zoo.CifarNet(w, c),
                 "image",
                 f"compare_laplace_torch's CIFAR net, width {w} (convs {w}/{2 * w}/{2 * w})",
             )
@@ -316,7 +202,7 @@ SPECS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "seg_head",
-            _fixed(lambda: SegHead(3), (NUM_CLASSES,), "seg_head has 3 classes a pixel"),
+            _fixed(lambda: zoo.SegHead(3), (CLASSES,), "seg_head has 3 classes a pixel"),
             "image",
             "per-pixel classifier (3 classes) on 48x48 images: conv 16/16, conv1x1",
             image_hw=(48, 48),
@@ -341,7 +227,7 @@ SPECS: dict[str, ModelSpec] = {
             "tinyfpn",
             lambda: TinyFPN(in_channels=(8, 16), width=16, num_outputs=4, extra_levels=1),
             "TinyFPN(in_channels=(8, 16), width=16, num_outputs=4, extra_levels=1)",
-            lambda h, w: [(8, h, w), (16, _half(h, 1), _half(w, 1))],
+            lambda h, w: [(8, h, w), (16, math.ceil(h / 2), math.ceil(w / 2))],
             (12, 12),
             ((12, 12), (12, 16), (16, 16), (20, 16)),
         ),
@@ -355,23 +241,21 @@ SPECS: dict[str, ModelSpec] = {
         ),
         _levels(
             "det_head",
-            lambda: DetectionHead(in_ch=8, num_classes=3),
+            lambda: zoo.DetectionHead(in_ch=8, num_classes=3),
             "new: detection head (cls 3 + box 4) shared over 3 pyramid levels",
             _pyramid,
             (12, 12),
             _RAGGED4,
         ),
-        dataclasses.replace(
-            _levels(
-                "bifpn",
-                _bifpn,
-                "new: effdet-style BiFPN (tests/cases.py), 3 cells of width 8 over 3 levels, "
-                "a 9-output head; ragged: every sample a shape of its own, one entry in every "
-                "BiFPN-node tensor",
-                _bifpn_levels,
-                (12, 12),
-                _BIFPN_HW,
-            ),
+        _levels(
+            "bifpn",
+            _bifpn,
+            "new: effdet-style BiFPN (tests/cases.py), 3 cells of width 8 over 3 levels, a "
+            "9-output head; ragged: every sample a shape of its own, one entry in every "
+            "BiFPN-node tensor",
+            lambda h, w: [(c, h >> k, w >> k) for k, c in enumerate(BIFPN_CHANNELS)],
+            (12, 12),
+            _BIFPN_HW,
             ragged_entries=_bifpn_spread,
         ),
     )
@@ -385,9 +269,8 @@ def flat_out(out: Any) -> Tensor:
 
 def flat_grads(params: Sequence[Tensor], gs: Sequence[Tensor | None]) -> Tensor:
     """Gradients (``None``: zero) as one flat vector in parameter order."""
-    return torch.cat(
-        [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, gs)]
-    )
+    zeros = [torch.zeros_like(p) if g is None else g for p, g in zip(params, gs)]
+    return torch.cat([g.reshape(-1) for g in zeros])
 
 
 @dataclass
@@ -471,9 +354,8 @@ class Cell:
 
     def flat(self, per_tensor: dict[str, Tensor], batch_dims: int = 0) -> Tensor:
         """Per-tensor ``(*batch, *shape)`` -> ``(*batch, P_total)`` in parameter order."""
-        return torch.cat(
-            [per_tensor[n].reshape(*per_tensor[n].shape[:batch_dims], -1) for n in self.names], -1
-        )
+        t = per_tensor
+        return torch.cat([t[n].reshape(*t[n].shape[:batch_dims], -1) for n in self.names], -1)
 
     def select(self, full: Tensor) -> Tensor:
         """``(..., P_total)`` -> the subset's columns."""
@@ -489,10 +371,18 @@ class Cell:
         """The warm-up and float64 slice: 3 samples of a ragged batch (3 buckets), else 2."""
         return self.slice(CHECK_SAMPLES if self.ragged else CHECK_SAMPLES - 1)
 
+    def hooked_forward(self, modules: Sequence[nn.Module], hook: Callable, i: int = 0) -> None:
+        """A no-grad forward of sample ``i`` alone with ``hook`` on ``modules``."""
+        handles = [m.register_forward_hook(hook) for m in modules]
+        try:
+            with torch.no_grad():
+                self.forward(self.model, [t[None] for t in self.batch.samples[i]])
+        finally:
+            for h in handles:
+                h.remove()
 
-def make_batch(
-    cell: Cell, samples: list[list[Tensor]], targets: Any, out_sizes: list[int]
-) -> Batch:
+
+def make_batch(cell: Cell, samples: list[list[Tensor]], targets: Any, sizes: list[int]) -> Batch:
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samples):
         groups.setdefault(tuple(tuple(t.shape) for t in s), []).append(i)
@@ -505,32 +395,23 @@ def make_batch(
     else:
         (only,) = buckets
         inputs = cell.model_input(only.levels)
-    return Batch(samples, buckets, inputs, targets, out_sizes)
+    return Batch(samples, buckets, inputs, targets, sizes)
 
 
 def build_cell(
-    workload: str,
-    model_name: str,
-    *,
-    quick: bool,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    n: int | None = None,
-    k: int | None = None,
+    workload: str, name: str, *, quick: bool, device="cpu", dtype=None, seed=0, n=None, k=None
 ) -> Cell:
     """The cell's model, batch and subset, deterministic in ``seed`` (every worker builds the
     same one; float64 is the float32 model converted); ``n``, ``k``: a named grid's batch size
-    and entries (default: the workload's)."""
-    spec = SPECS[model_name]
-    device = torch.device(device)
+    and entries (default: the workload's); ``dtype``: float32 by default."""
+    spec, device, dtype = SPECS[name], torch.device(device), dtype or torch.float32
     torch.manual_seed(seed)
-    outputs = 1 if workload == "jacnorm" else (NUM_CLASSES if spec.classifier else 0)
+    outputs = 1 if workload == "jacnorm" else (CLASSES if spec.classifier else 0)
     model = spec.build(outputs).eval().to(device=device, dtype=dtype)
     cell = Cell(workload, spec, model, device, dtype)
     n = n or SIZES[workload][1 if quick else 0]
     if cell.ragged and spec.kind != "levels":
-        raise Skip(f"{model_name} takes one tensor, not a list of levels")
+        raise Skip(f"{name} takes one tensor, not a list of levels")
     g = torch.Generator().manual_seed(seed + 1)
     if spec.kind == "levels":
         assert spec.levels is not None
@@ -548,21 +429,20 @@ def build_cell(
     targets = None
     if workload in ("fisher", "laplace") or (spec.classifier and workload != "jacnorm"):
         if not spec.classifier:
-            raise Skip(f"{model_name} is not a classifier")
-        classes, pixels = (spec.dense, spec.image_hw) if spec.dense else (NUM_CLASSES, ())
+            raise Skip(f"{name} is not a classifier")
+        classes, pixels = (spec.dense, spec.image_hw) if spec.dense else (CLASSES, ())
         targets = torch.randint(0, classes, (n, *pixels), generator=g).to(device)
-    cell.names = [name for name, _ in model.named_parameters()]
+    cell.names = [n for n, _ in model.named_parameters()]
     cell.num_params = sum(p.numel() for p in model.parameters())
     cell.subset = mj.ParamSubset.all(model)
+    idx = None
     if workload in SUBSET_K or k:
         gs = torch.Generator().manual_seed(seed + 2)
         idx = torch.randperm(cell.num_params, generator=gs)[: k or SUBSET_K[workload]]
-        cell.subset = mj.ParamSubset.from_flat_indices(model, idx)
-        cell.cols = idx.to(device)
     if cell.ragged and spec.ragged_entries is not None and not k:
         idx = spec.ragged_entries(model)
-        cell.subset = mj.ParamSubset.from_flat_indices(model, idx)
-        cell.cols = idx.to(device)
+    if idx is not None:
+        cell.subset, cell.cols = mj.ParamSubset.from_flat_indices(model, idx), idx.to(device)
     with torch.no_grad():
         out_sizes = [cell.forward(model, [t[None] for t in s]).shape[1] for s in samples]
     cell.batch = make_batch(cell, samples, targets, out_sizes)
@@ -590,9 +470,7 @@ def loss_of(out: Tensor, targets: Tensor | None) -> Tensor:
     """CrossEntropy (sum) for classifiers with labels (per pixel: ``out`` has the classes
     first), else half the sum of squared outputs."""
     if targets is not None and targets.dim() > 1:
-        return F.cross_entropy(
-            out.reshape(len(out), -1, *targets.shape[1:]), targets, reduction="sum"
-        )
+        out = out.reshape(len(out), -1, *targets.shape[1:])
     if targets is not None:
         return F.cross_entropy(out, targets, reduction="sum")
     return 0.5 * out.pow(2).sum()
@@ -626,9 +504,8 @@ class Sink:
 
     def __init__(self, cell: Cell, batch: Batch) -> None:
         self.cell, self.n = cell, batch.n
-        shape = (
-            (batch.n, batch.o_max, cell.subset.numel) if cell.jacobian_like else (cell.num_params,)
-        )
+        jac = (batch.n, batch.o_max, cell.subset.numel)
+        shape = jac if cell.jacobian_like else (cell.num_params,)
         self.value = torch.zeros(shape, dtype=cell.dtype, device=cell.device)
 
     def add(self, idx: Any, t: Tensor, row: int | None = None) -> None:
@@ -655,31 +532,18 @@ def ggn(jac: Tensor, logits: Tensor, classes: int = 0) -> Tensor:
     return torch.einsum("nck,nc,ncl->kl", jac, p, jac) - jp.T @ jp
 
 
-def activation_numels(cell: Cell) -> tuple[int, int]:
-    """``(max, sum)`` of the leaf modules' output sizes on the largest sample."""
-    sizes: list[int] = []
-    hook = lambda _m, _i, out: sizes.extend(t.numel() for t in tree_leaves(out))  # noqa: E731
-    leaves = [m for m in cell.model.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook) for m in leaves]
-    i = max(range(cell.batch.n), key=lambda k: cell.batch.out_sizes[k])
-    try:
-        with torch.no_grad():
-            cell.forward(cell.model, [t[None] for t in cell.batch.samples[i]])
-    finally:
-        for h in handles:
-            h.remove()
-    return max(sizes, default=1), sum(sizes)
-
-
 def lanes_estimate(cell: Cell, batch: Batch) -> int:
-    """Bytes of a vectorised backward with one lane per output row through a whole bucket
-    (``autograd.functional.jacobian(vectorize=True)``, curvlinops' transposed Jacobian): about
-    six of the largest layer's ``(lanes, N_b, ...)`` tensors (bench_fisher's measured rule) plus
-    the ``(lanes, P)`` Jacobian three times; the Fisher has one lane per sample; the Jacobian
-    norm keeps every layer's output for its second backward."""
-    act_max, act_sum = activation_numels(cell)
-    item = torch.empty((), dtype=cell.dtype).element_size()
-    worst = 0
+    """Bytes of a vectorised backward with a lane per output row through a bucket (``jacobian(
+    vectorize=True)``, curvlinops' transposed Jacobian): six of the largest layer's ``(lanes,
+    N_b, ...)`` tensors (a measured rule) and the ``(lanes, P)`` Jacobian thrice; the Fisher has
+    a lane a sample, the Jacobian norm keeps every layer's output for its second backward."""
+    sizes: list[int] = []  # the leaf modules' output sizes on the largest sample
+    leaves = [m for m in cell.model.modules() if not list(m.children())]
+    largest = max(range(cell.batch.n), key=lambda k: cell.batch.out_sizes[k])
+    record = lambda _m, _i, out: sizes.extend(t.numel() for t in tree_leaves(out))  # noqa: E731
+    cell.hooked_forward(leaves, record, largest)
+    act_max, act_sum = max(sizes, default=1), sum(sizes)
+    item, worst = torch.empty((), dtype=cell.dtype).element_size(), 0
     for b in batch.buckets:
         nb = len(b.indices)
         if cell.workload == "jacnorm":
@@ -690,35 +554,22 @@ def lanes_estimate(cell: Cell, batch: Batch) -> int:
     return worst
 
 
-def functional_forward(cell: Cell, model: nn.Module) -> Callable[..., Tensor]:
-    """``g(params_tuple, levels) -> (B, O)`` through ``functional_call``."""
-    names = [n for n, _ in model.named_parameters()]
-
-    def g(ps: Sequence[Tensor], levels: Sequence[Tensor]) -> Tensor:
-        return flat_out(functional_call(model, dict(zip(names, ps)), (cell.model_input(levels),)))
-
-    return g
-
-
 def _import(module: str, what: str) -> Any:
     if importlib.util.find_spec(module) is None:
         raise Skip(f"{what} not installed (pip install it to compare)")
     return importlib.import_module(module)
 
 
-def _reuses_modules(cell: Cell) -> bool:
-    """Whether a forward calls a module holding parameters more than once (a shared head)."""
-    calls: dict[int, int] = {}
-    hook = lambda m, _i, _o: calls.__setitem__(id(m), calls.get(id(m), 0) + 1)  # noqa: E731
+def _hooks_apply(cell: Cell, peer: str) -> None:
+    """Skip a per-module hook library (BackPACK, Opacus) where its hooks cannot work: the
+    Jacobian norm's second derivatives, or a module called more than once per forward."""
+    if cell.workload == "jacnorm":
+        raise Skip(f"{peer}: {NO_SECOND}")
+    calls: dict[nn.Module, int] = {}
     owners = [m for m in cell.model.modules() if any(True for _ in m.parameters(recurse=False))]
-    handles = [m.register_forward_hook(hook) for m in owners]
-    try:
-        with torch.no_grad():
-            cell.forward(cell.model, [t[None] for t in cell.batch.samples[0]])
-    finally:
-        for h in handles:
-            h.remove()
-    return max(calls.values(), default=1) > 1
+    cell.hooked_forward(owners, lambda m, _i, _o: calls.__setitem__(m, calls.get(m, 0) + 1))
+    if max(calls.values(), default=1) > 1:
+        raise Skip(f"{peer}: {REUSED}")
 
 
 def _clear(params: Sequence[nn.Parameter]) -> None:
@@ -732,10 +583,6 @@ def _clear(params: Sequence[nn.Parameter]) -> None:
 
 
 # ---------------------------------------------------------------------- the peers
-REUSED = "a module is applied more than once per forward (shared over levels); its hooks keep one"
-NO_SECOND = "no per-sample second derivatives (the regulariser's gradient needs them)"
-
-
 def _per_sample(cell: Cell, model: nn.Module) -> Callable[..., dict[str, Tensor]]:
     """``h(params, label, *levels)`` for one sample: its Jacobian (per tensor, ``(O, *shape)``),
     the gradient of its log-likelihood (fisher) or of its squared Jacobian norm (jacnorm)."""
@@ -760,30 +607,24 @@ def loop_func(cell: Cell, model: nn.Module) -> Run:
     differentiates the tensors that hold its entries only (the rest constant), as a user
     would write it."""
     h, params, dims = _per_sample(cell, model), cell.params(model), int(cell.jacobian_like)
-    if cell.cols is not None and cell.workload in JACOBIAN_LIKE:
-        held = set(cell.subset.names)
+    selected = cell.cols is not None and cell.workload in JACOBIAN_LIKE
+    if selected:
         f = cell.sample_fn(model)
-        jf = jacrev(lambda sel, *levels: f({**params, **sel}, *levels))
-        chosen = {n: p for n, p in params.items() if n in held}
-
-        def run_selected(batch: Batch) -> Tensor:
-            sink = Sink(cell, batch)
-            for i, s in enumerate(batch.samples):
-                jac = jf(chosen, *s)
-                o = batch.out_sizes[i]
-                full = {
-                    n: jac[n] if n in jac else params[n].new_zeros(o, *p.shape)
-                    for n, p in params.items()
-                }
-                sink.add([i], cell.flat(full, 1)[None])
-            return sink.result()
-
-        return run_selected
+        h = jacrev(lambda sel, _y, *levels: f({**params, **sel}, *levels))
+    chosen = (
+        {n: p for n, p in params.items() if n in set(cell.subset.names)} if selected else params
+    )
 
     def run(batch: Batch) -> Tensor:
         sink = Sink(cell, batch)
         for i, s in enumerate(batch.samples):
-            sink.add([i], cell.flat(h(params, batch.labels(i), *s), dims)[None])
+            jac = h(chosen, batch.labels(i), *s)
+            if selected:
+                o = batch.out_sizes[i]
+                jac = {
+                    n: jac[n] if n in jac else p.new_zeros(o, *p.shape) for n, p in params.items()
+                }
+            sink.add([i], cell.flat(jac, dims)[None])
         return sink.result()
 
     return run
@@ -811,61 +652,56 @@ def vmap_chunks(cell: Cell, model: nn.Module) -> Run:
     return run
 
 
-def _scalar_chunks(cell: Cell, model: nn.Module, batch: Batch):
-    """jacnorm peers: ``(grad of the scalar output, params, chunks of levels)``."""
+def _scalar_peer(cell: Cell, model: nn.Module, per_chunk: Callable) -> Run:
+    """A jacnorm peer: ``per_chunk(g1, params, levels)``, ``g1`` the gradient of one sample's
+    scalar output, summed over chunks of :data:`VMAP_CHUNK` samples per shape bucket."""
     f = cell.sample_fn(model)
     g1 = grad(lambda p, *levels: f(p, *levels).sum())
-    chunks = [
-        [t[s : s + VMAP_CHUNK] for t in b.levels]
-        for b in batch.buckets
-        for s in range(0, len(b.indices), VMAP_CHUNK)
-    ]
-    return g1, cell.params(model), chunks
+
+    def run(batch: Batch) -> Tensor:
+        params = cell.params(model)
+        acc = {n: torch.zeros_like(p) for n, p in params.items()}
+        for b in batch.buckets:
+            for s in range(0, len(b.indices), VMAP_CHUNK):
+                lv = [t[s : s + VMAP_CHUNK] for t in b.levels]
+                for n, g in per_chunk(g1, params, lv).items():
+                    acc[n] += g
+        return cell.flat(acc)
+
+    return run
 
 
 def vmap_double_bwd(cell: Cell, model: nn.Module) -> Run:
     """bench_jacnorm's ``vmap_grad_chunks``: ``grad`` of the squared norm of ``vmap(grad)``."""
 
-    def run(batch: Batch) -> Tensor:
-        g1, params, chunks = _scalar_chunks(cell, model, batch)
-        acc = {n: torch.zeros_like(p) for n, p in params.items()}
-        for lv in chunks:
+    def chunk(g1: Callable, params: dict[str, Tensor], lv: list[Tensor]) -> dict[str, Tensor]:
+        def sq_norm(p: dict[str, Tensor]) -> Tensor:
+            per = vmap(g1, in_dims=(None, *[0] * len(lv)))(p, *lv)
+            return sum((g**2).sum() for g in per.values())
 
-            def sq_norm(p: dict[str, Tensor], lv: list[Tensor] = lv) -> Tensor:
-                per = vmap(g1, in_dims=(None, *[0] * len(lv)))(p, *lv)
-                return sum((g**2).sum() for g in per.values())
+        return grad(sq_norm)(params)
 
-            for n, g in grad(sq_norm)(params).items():
-                acc[n] += g
-        return cell.flat(acc)
-
-    return run
+    return _scalar_peer(cell, model, chunk)
 
 
 def fwd_over_rev(cell: Cell, model: nn.Module) -> Run:
     """bench_jacnorm's ``fwd_over_rev``: ``2 sum_i H_i g_i`` with ``jvp`` of ``grad``."""
 
-    def run(batch: Batch) -> Tensor:
-        g1, params, chunks = _scalar_chunks(cell, model, batch)
-        acc = {n: torch.zeros_like(p) for n, p in params.items()}
-        for lv in chunks:
+    def chunk(g1: Callable, params: dict[str, Tensor], lv: list[Tensor]) -> dict[str, Tensor]:
+        def hvp(gi: dict[str, Tensor], *x: Tensor) -> dict[str, Tensor]:
+            return jvp(lambda p: g1(p, *x), (params,), (gi,))[1]
 
-            def hvp(gi: dict[str, Tensor], *x: Tensor) -> dict[str, Tensor]:
-                return jvp(lambda p: g1(p, *x), (params,), (gi,))[1]
+        gs = vmap(g1, in_dims=(None, *[0] * len(lv)))(params, *lv)
+        return {n: 2 * h.sum(0) for n, h in vmap(hvp)(gs, *lv).items()}
 
-            gs = vmap(g1, in_dims=(None, *[0] * len(lv)))(params, *lv)
-            for n, h in vmap(hvp)(gs, *lv).items():
-                acc[n] += 2 * h.sum(0)
-        return cell.flat(acc)
-
-    return run
+    return _scalar_peer(cell, model, chunk)
 
 
 def autograd_jacobian(cell: Cell, model: nn.Module) -> Run:
     """``torch.autograd.functional.jacobian(vectorize=True)`` per bucket: of the outputs, of the
     log-likelihoods (fisher: the EWC code users write), or with ``create_graph`` and a second
     ``autograd.grad`` of the squared sum (jacnorm)."""
-    g, w = functional_forward(cell, model), cell.workload
+    names, w = [n for n, _ in model.named_parameters()], cell.workload
     ps = tuple(p.detach() for p in model.parameters())
 
     def run(batch: Batch) -> Tensor:
@@ -874,12 +710,10 @@ def autograd_jacobian(cell: Cell, model: nn.Module) -> Run:
             y = batch.labels(b.indices)
 
             def vec(*q: Tensor, lv: list[Tensor] = b.levels, y: Tensor = y) -> Tensor:
-                out = g(q, lv)
-                return (
-                    out.log_softmax(1).gather(1, y[:, None])[:, 0]
-                    if w == "fisher"
-                    else out.reshape(-1)
-                )
+                out = flat_out(functional_call(model, dict(zip(names, q)), (cell.model_input(lv),)))
+                if w == "fisher":
+                    return out.log_softmax(1).gather(1, y[:, None])[:, 0]
+                return out.reshape(-1)
 
             leaves = tuple(p.clone().requires_grad_(True) for p in ps) if w == "jacnorm" else ps
             jac = torch.autograd.functional.jacobian(
@@ -889,22 +723,19 @@ def autograd_jacobian(cell: Cell, model: nn.Module) -> Run:
             if w == "jacnorm":
                 gs = torch.autograd.grad(rows.pow(2).sum(), leaves, allow_unused=True)
                 sink.add(None, flat_grads(ps, gs)[None])
+            elif cell.jacobian_like:
+                sink.add(b.indices, rows.reshape(len(b.indices), -1, rows.shape[1]))
             else:
-                sink.add(
-                    b.indices,
-                    rows.reshape(len(b.indices), -1, rows.shape[1]) if cell.jacobian_like else rows,
-                )
+                sink.add(b.indices, rows)
         return sink.result()
 
     return run
 
 
 def backpack(cell: Cell, model: nn.Module) -> Run:
-    """BackPACK: ``BatchGrad``, one backward per output row; fisher: ``SumGradSquared``."""
-    if cell.workload == "jacnorm":
-        raise Skip(f"BackPACK: {NO_SECOND}")
-    if _reuses_modules(cell):
-        raise Skip(f"BackPACK: {REUSED}")
+    """BackPACK: ``BatchGrad``, one backward per output row; fisher: ``SumGradSquared`` (its
+    ``DiagGGNExact`` is neither the empirical Fisher nor the subset block a Laplace needs)."""
+    _hooks_apply(cell, "BackPACK")
     bp = _import("backpack", "BackPACK")
     from backpack.extensions import BatchGrad, SumGradSquared
 
@@ -937,10 +768,7 @@ def backpack(cell: Cell, model: nn.Module) -> Run:
 def opacus(cell: Cell, model: nn.Module) -> Run:
     """Opacus ``GradSampleModule``: a forward and backward per output row (it pops its
     activations in the backward); fisher: per-sample gradients of the loss, squared."""
-    if cell.workload == "jacnorm":
-        raise Skip(f"Opacus: {NO_SECOND}")
-    if _reuses_modules(cell):
-        raise Skip(f"Opacus: {REUSED}")
+    _hooks_apply(cell, "Opacus")
     op = _import("opacus", "Opacus")
     if any(True for _ in model.buffers()):
         raise Skip("Opacus does not support layers with buffers (BatchNorm)")
@@ -957,11 +785,10 @@ def opacus(cell: Cell, model: nn.Module) -> Run:
             for r in [None] if cell.workload == "fisher" else range(o):
                 _clear(params)
                 out = cell.forward(gsm, b.levels)
-                loss = (
-                    out[:, r].sum()
-                    if r is not None
-                    else F.cross_entropy(out, batch.targets[b.indices], reduction="sum")
-                )
+                if r is None:
+                    loss = F.cross_entropy(out, batch.targets[b.indices], reduction="sum")
+                else:
+                    loss = out[:, r].sum()
                 try:
                     loss.backward()
                 except (ValueError, NotImplementedError) as e:  # a layer it does not support
@@ -993,17 +820,16 @@ def curvlinops(cell: Cell, model: nn.Module) -> Run:
     """curvlinops: ``JacobianLinearOperator`` @ one-hot columns (subset),
     ``TransposedJacobianLinearOperator`` @ identity (jacobian, ragged), the subset submatrix of
     ``GGNLinearOperator`` @ identity (laplace)."""
-    if cell.workload in ("fisher", "jacnorm"):
-        raise Skip(
-            "curvlinops has no exact diagonal (only Hutchinson estimates, or P matvecs)"
-            if cell.workload == "fisher"
-            else "curvlinops: operators of one batch, no per-sample Jacobian-norm gradient"
-        )
+    if cell.workload == "fisher":
+        raise Skip("curvlinops has no exact diagonal (only Hutchinson estimates, or P matvecs)")
+    if cell.workload == "jacnorm":
+        raise Skip("curvlinops: operators of one batch, no per-sample Jacobian-norm gradient")
     cl = _import("curvlinops", "curvlinops")
     wrapped = _Flat(cell, model)
     params = list(wrapped.parameters())
     size = (lambda v: v.shape[0]) if cell.tensor_input else (lambda v: v["0"].shape[0])
     kw = {"check_deterministic": False, "batch_size_fn": size}
+    eye = lambda n: torch.eye(n, dtype=cell.dtype, device=cell.device)  # noqa: E731
 
     def run(batch: Batch) -> Tensor:
         out = Sink(cell, batch).value
@@ -1015,19 +841,15 @@ def curvlinops(cell: Cell, model: nn.Module) -> Run:
                 idx = [int(i) for i in cell.cols.tolist()]  # type: ignore[union-attr]
                 loss = nn.CrossEntropyLoss(reduction="sum")
                 op = cl.GGNLinearOperator(wrapped, loss, params, data, num_data=nb, **kw)
-                eye = torch.eye(len(idx), dtype=cell.dtype, device=cell.device)
-                return cl.SubmatrixLinearOperator(op, idx, idx) @ eye
+                return cl.SubmatrixLinearOperator(op, idx, idx) @ eye(len(idx))
             if cell.cols is not None:  # J @ one-hot columns of the subset (forward mode)
                 op = cl.JacobianLinearOperator(wrapped, params, data, num_data=nb, **kw)
-                e = torch.zeros(
-                    cell.num_params, len(cell.cols), dtype=cell.dtype, device=cell.device
-                )
+                e = out.new_zeros(cell.num_params, len(cell.cols))
                 e[cell.cols, torch.arange(len(cell.cols), device=cell.device)] = 1
                 out[b.indices, :o] = (op @ e).reshape(nb, o, -1)
             else:  # J^T @ identity (one vector-Jacobian product per output row)
                 op = cl.TransposedJacobianLinearOperator(wrapped, params, data, num_data=nb, **kw)
-                eye = torch.eye(nb * o, dtype=cell.dtype, device=cell.device)
-                out[b.indices, :o] = (op @ eye).T.reshape(nb, o, -1)
+                out[b.indices, :o] = (op @ eye(nb * o)).T.reshape(nb, o, -1)
         return out
 
     return run
@@ -1043,17 +865,11 @@ def laplace_torch(cell: Cell, model: nn.Module) -> Run:
     from torch.utils.data import DataLoader, TensorDataset
 
     cols, order = cell.cols.sort()  # type: ignore[union-attr]
-    inv = order.argsort()
+    inv, opts = order.argsort(), {"subset_of_weights": "subnetwork", "hessian_structure": "full"}
 
     def run(batch: Batch) -> Tensor:
         data = TensorDataset(batch.buckets[0].levels[0], batch.targets)
-        la = lt.Laplace(
-            model,
-            "classification",
-            subset_of_weights="subnetwork",
-            hessian_structure="full",
-            subnetwork_indices=cols.clone(),
-        )
+        la = lt.Laplace(model, "classification", **opts, subnetwork_indices=cols.clone())
         la.fit(DataLoader(data, batch_size=batch.n))
         return la.H[inv][:, inv]
 
@@ -1124,7 +940,9 @@ def library(tune: Any = None, **kw: Any) -> Prepare:
                 info["chosen"] = {"method": str(res.method)} if str(res.method) in valid else {}
             elif w == "jacnorm":
                 model.zero_grad(set_to_none=True)
-                with _jacnorm_jobs() as jobs:
+                from multiscale_jac import jacnorm  # its notes: the route choice
+
+                with _spy(jacnorm._Job, "__init__", lambda job, _r: job) as jobs:
                     mj.jacobian_sq_norm(model, batch.inputs, **opts).backward()
                 notes = [str(n) for job in jobs for n in job.notes]
                 value = flat_grads(params, [p.grad for p in params])
@@ -1137,13 +955,15 @@ def library(tune: Any = None, **kw: Any) -> Prepare:
                 info["notes"] = [n[:300] for n in notes[:6]]
             else:
                 la = mj.SubnetLaplace(model, "classification", cell.subset, **opts)
-                with _engine_routes() as routes:
+                from multiscale_jac.laplace import _jacobian_rows as rows
+
+                route = lambda _a, res: {"mode": str(res.mode), **_route_of(res)}  # noqa: E731
+                with _spy(rows, "run_engine", route) as routes:
                     la.fit([(batch.inputs, batch.targets)])
                 value = la.H
                 if routes:  # what SubnetLaplace takes of a route: mode, entries, samples per call
                     info["chosen"] = max(routes, key=lambda r: r.get("chunk_size", 0))
-            after = mj.plan_cache_info()
-            info["probed"] = after.probed - before.probed
+            info["probed"] = mj.plan_cache_info().probed - before.probed
             return LibraryResult(value, info)
 
         return run
@@ -1172,44 +992,21 @@ def _route_of(res: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def _engine_routes() -> Iterator[list[dict[str, Any]]]:
-    """The routes (mode and :func:`_route_of`) of the engine calls a Laplace fit makes in the
-    block."""
-    from multiscale_jac.laplace import _jacobian_rows as _curvature
-
-    routes: list[dict[str, Any]] = []
-    run = _curvature.run_engine
+def _spy(owner: Any, name: str, record: Callable[[Any, Any], Any]) -> Iterator[list[Any]]:
+    """``record(first argument, result)`` of every call of ``owner.name`` in the block: what the
+    library ran where its result does not say (a Laplace fit, ``jacobian_sq_norm``)."""
+    real, seen = getattr(owner, name), []
 
     def spy(*args: Any, **kwargs: Any) -> Any:
-        res = run(*args, **kwargs)
-        routes.append({"mode": str(res.mode), **_route_of(res)})
+        res = real(*args, **kwargs)
+        seen.append(record(args[0] if args else None, res))
         return res
 
-    _curvature.run_engine = spy
+    setattr(owner, name, spy)
     try:
-        yield routes
+        yield seen
     finally:
-        _curvature.run_engine = run
-
-
-@contextmanager
-def _jacnorm_jobs() -> Iterator[list[Any]]:
-    """The library's jobs of the ``jacobian_sq_norm`` calls in the block, for their notes (the
-    route choice): the function returns a bare tensor, so the benchmark reads them there."""
-    from multiscale_jac import jacnorm
-
-    jobs: list[Any] = []
-    init = jacnorm._Job.__init__
-
-    def keep(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        jobs.append(self)
-
-    jacnorm._Job.__init__ = keep  # type: ignore[method-assign]
-    try:
-        yield jobs
-    finally:
-        jacnorm._Job.__init__ = init  # type: ignore[method-assign]
+        setattr(owner, name, real)
 
 
 # ---------------------------------------------------------------------- the method registry
@@ -1237,78 +1034,55 @@ def methods_for(workload: str, per_pixel: int = 0) -> list[Method]:
     then = {"subset": ", the subset's columns", "laplace": ", the subset's columns, J^T Lambda J"}
     then_ = then.get(workload, "")
     wrap = with_ggn if workload == "laplace" else (lambda p: p)
-    auto = {
-        "fisher": "mj.diag_fisher with defaults",
-        "jacnorm": "mj.jacobian_sq_norm(model, x).backward() with defaults",
-        "laplace": "mj.SubnetLaplace(model, 'classification', subset).fit(data)",
-    }.get(workload, "mj.per_sample_jacobian with defaults")
     ms = [
         Method("train_step", "train", "forward, loss, backward, SGD step (train copy)", train_step)
     ]
+
+    def peer(name: str, what: str, prep: Prepare, *estimate: Any) -> None:
+        ms.append(Method(name, "peer", what, prep, *estimate))
+
+    chunk = f"{VMAP_CHUNK} a chunk"
     if workload == "jacnorm":
-        ms += [
-            Method("loop_func", "peer", "per sample: grad of ||jacrev||^2", loop_func),
-            Method(
-                "vmap_double_bwd",
-                "peer",
-                f"grad of ||vmap(grad)||^2, {VMAP_CHUNK} a chunk",
-                vmap_double_bwd,
-            ),
-            Method(
-                "fwd_over_rev",
-                "peer",
-                f"vmap(grad), 2 sum_i H_i g_i by jvp of grad, {VMAP_CHUNK} a chunk",
-                fwd_over_rev,
-            ),
-        ]
+        peer("loop_func", "per sample: grad of ||jacrev||^2", loop_func)
+        peer("vmap_double_bwd", f"grad of ||vmap(grad)||^2, {chunk}", vmap_double_bwd)
+        peer("fwd_over_rev", f"vmap(grad), 2 sum_i H_i g_i by jvp of grad, {chunk}", fwd_over_rev)
     else:
         fn = "grad" if workload == "fisher" else "jacrev"
-        chunk = FISHER_VMAP_CHUNK if workload == "fisher" else VMAP_CHUNK
-        ms += [
-            Method("loop_func", "peer", f"per-sample torch.func.{fn} loop{then_}", wrap(loop_func)),
-            Method(
-                "vmap_chunks",
-                "peer",
-                f"vmap({fn}) in chunks of <= {chunk} per shape bucket{then_}",
-                wrap(vmap_chunks),
-            ),
-        ]
-    auto_what = "torch.autograd.functional.jacobian(vectorize=True) per shape bucket" + {
+        chunk = f"<= {FISHER_VMAP_CHUNK if workload == 'fisher' else VMAP_CHUNK} per shape bucket"
+        peer("loop_func", f"per-sample torch.func.{fn} loop{then_}", wrap(loop_func))
+        peer("vmap_chunks", f"vmap({fn}) in chunks of {chunk}{then_}", wrap(vmap_chunks))
+    of = {
         "fisher": " of the N log-likelihoods, squared",
         "jacnorm": " with create_graph, autograd.grad of the squared sum",
     }.get(workload, then_)
-    ms.append(
-        Method("autograd_jacobian", "peer", auto_what, wrap(autograd_jacobian), lanes_estimate, 2.0)
-    )
+    what = "torch.autograd.functional.jacobian(vectorize=True) per shape bucket" + of
+    peer("autograd_jacobian", what, wrap(autograd_jacobian), lanes_estimate, 2.0)
     bp = "SumGradSquared" if workload == "fisher" else "BatchGrad, a backward per output row"
     op = "per-sample loss gradients, squared" if workload == "fisher" else "a pass per output row"
     cl = {
         "subset": "JacobianLinearOperator @ one-hot columns",
         "laplace": "GGNLinearOperator, the subset's submatrix @ identity",
     }.get(workload, "TransposedJacobianLinearOperator @ identity, per shape bucket")
-    dense = workload in ("jacobian", "ragged")
-    ms += [
-        Method("backpack", "peer", f"BackPACK {bp}{then_}", wrap(backpack)),
-        Method("opacus", "peer", f"Opacus GradSampleModule, {op}{then_}", wrap(opacus)),
-        Method(
-            "curvlinops",
-            "peer",
-            f"curvlinops {cl}",
-            curvlinops,
-            lanes_estimate if dense else None,
-            2.0 if dense else 1.0,
-        ),
-    ]
+    peer("backpack", f"BackPACK {bp}{then_}", wrap(backpack))
+    peer("opacus", f"Opacus GradSampleModule, {op}{then_}", wrap(opacus))
+    dense = (lanes_estimate, 2.0) if workload in ("jacobian", "ragged") else ()
+    peer("curvlinops", f"curvlinops {cl}", curvlinops, *dense)
     if workload == "laplace":
         what = "laplace-torch Laplace(subset_of_weights='subnetwork', hessian_structure='full')"
-        ms.append(Method("laplace_torch", "peer", what + ".fit", laplace_torch))
+        peer("laplace_torch", what + ".fit", laplace_torch)
+    auto = {
+        "fisher": "mj.diag_fisher with defaults",
+        "jacnorm": "mj.jacobian_sq_norm(model, x).backward() with defaults",
+        "laplace": "mj.SubnetLaplace(model, 'classification', subset).fit(data)",
+    }.get(workload, "mj.per_sample_jacobian with defaults")
     ms.append(Method("library_auto", "library", auto, library()))
     if workload in JACOBIAN_LIKE:
+        entries = ("structured", "generic") if workload == "subset" else (None,)
         routes = [
             {"strategy": s, "mode": m, **({"entries": e} if e else {})}
             for s in ("vmap", "bucketed", "padded")
             for m in ("rev", "fwd")
-            for e in (("structured", "generic") if workload == "subset" else (None,))
+            for e in entries
         ]
     elif workload == "fisher":
         routes = [{"method": m} for m in ("layerwise", "vmap")]
@@ -1319,61 +1093,47 @@ def methods_for(workload: str, per_pixel: int = 0) -> list[Method]:
     if per_pixel:  # the dense Laplace cell: the fit in row slices (bench_laplace's --dense)
         routes.append({"memory_budget": "sliced"})
     for kw in routes:
-        name = "library_" + "_".join(kw.values())
         what = ", ".join(f"{k}={v}" for k, v in kw.items()) + ", strict=True"
-        ms.append(Method(name, "route", what, library(**kw), route=kw))
+        ms.append(
+            Method("library_" + "_".join(kw.values()), "route", what, library(**kw), route=kw)
+        )
     return ms
 
 
 # ---------------------------------------------------------------------- the float64 reference
 def reference(cell: Cell, batch: Batch) -> Tensor:
     """Plain ``autograd.grad``, one sample at a time (rows by one-hot ``grad_outputs``, batched),
-    independent of every method."""
+    independent of every method; the Jacobian norm's forward in attention's math form (its
+    fused kernels have no double backward)."""
     params = list(cell.model.parameters())
     sink = Sink(cell, batch)
     logits = torch.zeros(batch.n, batch.o_max, dtype=cell.dtype, device=cell.device)
-    math = sdpa_kernel([SDPBackend.MATH]) if cell.workload == "jacnorm" else nullcontext()
-    with math:
-        _reference_rows(cell, batch, params, sink, logits)
-    return (
-        ggn(sink.result(), logits, cell.spec.dense) if cell.workload == "laplace" else sink.result()
-    )
-
-
-def _reference_rows(
-    cell: Cell, batch: Batch, params: list[Tensor], sink: Sink, logits: Tensor
-) -> None:
-    for i, s in enumerate(batch.samples):
-        y = cell.forward(cell.model, [t[None] for t in s])[0]
-        logits[i, : y.numel()] = y.detach()
-        if cell.workload == "fisher":
-            logp = torch.log_softmax(y, 0)[batch.targets[i]]  # type: ignore[index]
-            sink.add(None, flat_grads(params, torch.autograd.grad(logp, params))[None])
-            continue
-        if cell.workload != "jacnorm":  # every row's gradient, one-hot grad_outputs
-            for r0 in range(0, y.numel(), 256):
-                eye = torch.eye(y.numel(), dtype=y.dtype, device=y.device)[r0 : r0 + 256]
-                gs = torch.autograd.grad(
-                    y, params, eye, retain_graph=True, allow_unused=True, is_grads_batched=True
-                )
-                rows = torch.cat(
-                    [
-                        (y.new_zeros(len(eye), p.numel()) if g is None else g.reshape(len(eye), -1))
+    keep = {"retain_graph": True, "allow_unused": True}
+    math_sdpa = sdpa_kernel([SDPBackend.MATH]) if cell.workload == "jacnorm" else nullcontext()
+    with math_sdpa:
+        for i, s in enumerate(batch.samples):
+            y = cell.forward(cell.model, [t[None] for t in s])[0]
+            logits[i, : y.numel()] = y.detach()
+            if cell.workload == "fisher":
+                logp = torch.log_softmax(y, 0)[batch.targets[i]]  # type: ignore[index]
+                sink.add(None, flat_grads(params, torch.autograd.grad(logp, params))[None])
+            elif cell.workload != "jacnorm":  # every row's gradient, one-hot grad_outputs
+                for r0 in range(0, y.numel(), 256):
+                    eye = torch.eye(y.numel(), dtype=y.dtype, device=y.device)[r0 : r0 + 256]
+                    gs = torch.autograd.grad(y, params, eye, is_grads_batched=True, **keep)
+                    rows = [
+                        y.new_zeros(len(eye), p.numel()) if g is None else g.reshape(len(eye), -1)
                         for p, g in zip(params, gs)
-                    ],
-                    1,
-                )
-                sink.value[i, r0 : r0 + len(eye)] = cell.select(rows)
-            continue
-        for r in range(y.numel()):  # jacnorm: grad of sum_o ||d y_o / d theta||^2
-            # (attention's fused kernels have no double backward: the forward above ran the
-            # math form, see the caller)
-            gs = torch.autograd.grad(
-                y[r], params, retain_graph=True, allow_unused=True, create_graph=True
-            )
-            sq = sum((g**2).sum() for g in gs if g is not None)
-            gs = torch.autograd.grad(sq, params, retain_graph=True, allow_unused=True)
-            sink.add(None, flat_grads(params, gs)[None])
+                    ]
+                    sink.value[i, r0 : r0 + len(eye)] = cell.select(torch.cat(rows, 1))
+            else:
+                for r in range(y.numel()):  # jacnorm: grad of sum_o ||d y_o / d theta||^2
+                    gs = torch.autograd.grad(y[r], params, create_graph=True, **keep)
+                    sq = sum((g**2).sum() for g in gs if g is not None)
+                    gs = torch.autograd.grad(sq, params, **keep)
+                    sink.add(None, flat_grads(params, gs)[None])
+    result = sink.result()
+    return ggn(result, logits, cell.spec.dense) if cell.workload == "laplace" else result
 
 
 def value_of(result: Any) -> Tensor:
@@ -1394,15 +1154,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def wants(args: argparse.Namespace, name: str) -> bool:
-    """Whether ``--methods`` (names or glob patterns) selects ``name`` (the step always)."""
-    return name == "train_step" or not args.methods or any(fnmatch(name, p) for p in args.methods)
+def wants(patterns: Sequence[str] | None, name: str) -> bool:
+    """Whether ``patterns`` (method names or globs; none: all) select ``name`` (the step always)."""
+    return name == "train_step" or not patterns or any(fnmatch(name, p) for p in patterns)
 
 
 def _reset_forward_ad() -> None:
-    """Leave every forward-AD level a method left entered: a time limit's interrupt inside a
-    ``dual_level`` block (curvlinops' Jacobian-vector products) skips its exit, and every later
-    forward-mode call in the process failed ("Nested forward mode AD is not supported")."""
+    """Leave every forward-AD level a time limit's interrupt left entered (inside curvlinops'
+    ``dual_level``): later forward-mode calls failed ("Nested forward mode AD ...")."""
     import torch.autograd.forward_ad as fwad
 
     while fwad._current_level >= 0:
@@ -1454,27 +1213,17 @@ def bench_method(
                 baseline["step"] = t_first
             if isinstance(res, LibraryResult):
                 rec["library"] = res.info
-            if m.kind != "train":
-                value = value_of(res)
-                if "value" not in baseline:
-                    baseline.update(value=value, method=m.name)
-                    rec["float32_baseline"] = True
-                else:
-                    d = compare(value, baseline["value"])
-                    rec["float32_vs"] = baseline["method"]
-                    rec["float32_rel_diff"] = d.get("rel_diff")
-                    if "mismatch" in d:
-                        rec["float32_mismatch"] = d["mismatch"]
-                del value
+            if m.kind != "train" and "value" not in baseline:
+                baseline.update(value=value_of(res), method=m.name)
+                rec["float32_baseline"] = True
+            elif m.kind != "train":
+                d = compare(value_of(res), baseline["value"])
+                rec.update(float32_vs=baseline["method"], float32_rel_diff=d.get("rel_diff"))
+                if "mismatch" in d:
+                    rec["float32_mismatch"] = d["mismatch"]
             del res
-            rec.update(
-                timer_median(
-                    lambda: run(batch),
-                    threads=args.threads,
-                    min_run_time=args.min_run_time,
-                    warm_s=t_first,
-                )
-            )
+            kw = {"threads": args.threads, "min_run_time": args.min_run_time, "warm_s": t_first}
+            rec.update(common.timer_median(lambda: run(batch), **kw))
     except Skip as e:
         rec["skipped"] = str(e) if str(e).startswith("not run") else f"not applicable: {e}"
     except Exception as e:
@@ -1482,31 +1231,18 @@ def bench_method(
     return rec
 
 
-def _contenders(methods: Sequence[Method], results: dict[str, dict[str, Any]]) -> list[Method]:
-    """The training step, ``library_auto``, and the two fastest peers and forced routes."""
-    timed = [m for m in methods if "seconds" in results[m.name]]
-    out = [m for m in timed if m.kind in ("train", "library")]
-    for kind in ("peer", "route"):
-        group = sorted(
-            (m for m in timed if m.kind == kind), key=lambda m: results[m.name]["seconds"]
-        )
-        out += group[:2]
-    return out
-
-
 def interleave(
-    cell: Cell,
-    methods: Sequence[Method],
-    results: dict[str, dict[str, Any]],
-    args: argparse.Namespace,
+    cell: Cell, methods: Sequence[Method], results: dict[str, dict[str, Any]], args: Any
 ) -> int:
-    """The contenders (:func:`_contenders`) timed again in ``--rounds`` rounds, one call each a
-    round in a rotating order: a drift of the machine's speed during the cell (the training
-    step's own time moved 10-45% between processes) then falls on every method alike. Their
-    ``seconds`` become the median over the rounds (``seconds_alone`` keeps the first
-    measurement). Fewer rounds (at least 3) where they would take over ``--rounds-budget``;
-    returns the rounds run (0: none)."""
-    contenders = _contenders(methods, results)
+    """The contenders (the training step, ``library_auto``, the two fastest peers and forced
+    routes) timed again, one call each a round in a rotating order, so that the machine's drift
+    falls on every method alike; their ``seconds`` become the medians (``seconds_alone``: the
+    first). At least 3 rounds, at most ``--rounds`` within ``--rounds-budget``; returns them."""
+    timed = [m for m in methods if "seconds" in results[m.name]]
+    contenders = [m for m in timed if m.kind in ("train", "library")]
+    for kind in ("peer", "route"):
+        group = [m for m in timed if m.kind == kind]
+        contenders += sorted(group, key=lambda m: results[m.name]["seconds"])[:2]
     if args.rounds <= 0 or len(contenders) < 2:
         return 0
     per_round = sum(results[m.name]["seconds"] for m in contenders)
@@ -1522,11 +1258,8 @@ def interleave(
                 res = run(cell.batch)
             if isinstance(res, LibraryResult):  # the library chose again (cache cleared since)
                 results[m.name]["library_rounds"] = res.info
-            timers[m.name] = Timer(
-                stmt="run(batch)",
-                globals={"run": run, "batch": cell.batch},
-                num_threads=args.threads,
-            )
+            glob = {"run": run, "batch": cell.batch}
+            timers[m.name] = common.Timer("run(batch)", globals=glob, num_threads=args.threads)
         times: dict[str, list[float]] = {name: [] for name in timers}
         names = list(timers)
         for r in range(rounds):
@@ -1541,15 +1274,11 @@ def interleave(
 
 
 def check_methods(
-    spot: Spot,
-    methods: Sequence[Method],
-    args: argparse.Namespace,
-    limits: dict[str, float] | None = None,
+    spot: Spot, methods: Sequence[Method], args: Any, limits: dict[str, float] | None = None
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Every method on a float64 slice of the cell against :func:`reference` (each under
-    ``limits[name]`` seconds, default ``--check-limit``). Per-pixel cells are not: their
-    reference would differentiate every pixel's classes one row at a time; the sliced fit is
-    compared with the unsliced one in float32 instead (``float32_rel_diff``)."""
+    ``limits[name]`` seconds, default ``--check-limit``); not the per-pixel cells, whose sliced
+    fit is compared with the unsliced one in float32 (``float32_rel_diff``)."""
     if SPECS[spot.model].dense:
         why = "not checked in float64 (per-pixel outputs): float32 against the unsliced fit"
         return {"skipped": why}, {m.name: {"ok": True, "skipped": why} for m in methods}
@@ -1563,9 +1292,7 @@ def check_methods(
         "tol": args.check_tol,
     }
     out: dict[str, dict[str, Any]] = {}
-    for m in methods:
-        if m.kind == "train":
-            continue
+    for m in (m for m in methods if m.kind != "train"):
         row: dict[str, Any] = {}
         t0 = time.perf_counter()
         try:
@@ -1597,13 +1324,16 @@ def cell_worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cell = spot.build(args)
     rec: dict[str, Any] = {"name": spot.name, **cell_summary(cell)}
-    rec["malloc_env"] = malloc_env()
-    methods = [m for m in methods_for(spot.workload, cell.spec.dense) if wants(args, m.name)]
+    rec["malloc_env"] = common.malloc_env()
+    methods = methods_for(spot.workload, cell.spec.dense)
+    methods = [m for m in methods if wants(args.methods, m.name)]
     baseline: dict[str, Any] = {}
-    results = {m.name: bench_method(cell, m, args, baseline) for m in methods[:1]}
-    for m in methods[1:]:
+    results = {}
+    for m in methods:
         results[m.name] = r = bench_method(cell, m, args, baseline)
-        log(f"[{cell.name}] {m.name}: " + _short(r))
+        if m.kind != "train":
+            what = f"{r['seconds']:.4g} s" if "seconds" in r else r.get("skipped") or r.get("error")
+            log(f"[{cell.name}] {m.name}: {str(what)[:160]}")
     train_end = bench_method(cell, methods[0], args, {})  # the step again, after the others
     step = [t["seconds"] for t in (results["train_step"], train_end) if "seconds" in t]
     rec["train_step_seconds"] = sum(step) / len(step) if step else None
@@ -1623,39 +1353,23 @@ def cell_worker(args: argparse.Namespace) -> int:
     base_ok = True
     for name, c in checks.items():
         r = results[name]
-        r.update(
-            checked=c.get("max_abs_diff"),
-            checked_rel=c.get("rel_diff"),
-            check_ok=c.get("ok", False),
-        )
+        r.update(checked=c.get("max_abs_diff"), checked_rel=c.get("rel_diff"))
+        r["check_ok"] = c.get("ok", False)
         if "ok" not in c:
             r["check_error"] = c.get("error") or c.get("skipped") or c.get("mismatch")
         if r.get("float32_baseline"):
             base_ok = r["check_ok"]
-    for r in results.values():
-        if "seconds" not in r:
-            continue
+    for r in (r for r in results.values() if "seconds" in r):
         if rec["train_step_seconds"]:
             r["ratio_to_train_step"] = r["seconds"] / rec["train_step_seconds"]
         if r["kind"] != "train":
             f32 = r.get("float32_rel_diff")
-            f32_ok = (
-                r.get("float32_baseline")
-                or not base_ok
-                or (f32 is not None and f32 <= args.f32_tol)
-            )
-            r["valid"] = bool(r.get("check_ok")) and bool(f32_ok)
+            agrees = f32 is not None and f32 <= args.f32_tol
+            ok32 = r.get("float32_baseline") or not base_ok or agrees
+            r["valid"] = bool(r.get("check_ok") and ok32)
     rec["methods"] = results
     print(json.dumps(rec, default=str))
     return 0
-
-
-def _short(r: dict[str, Any]) -> str:
-    if "seconds" not in r:
-        return str(r.get("skipped") or r.get("error"))[:160]
-    extra = f", first call {r['first_call_seconds']:.3g} s" if "first_call_seconds" in r else ""
-    f32 = r.get("float32_rel_diff")
-    return f"{r['seconds']:.4g} s{extra}" + ("" if f32 is None else f", f32 rel diff {f32:.1e}")
 
 
 def memory_worker(args: argparse.Namespace) -> int:
@@ -1683,26 +1397,18 @@ def memory_worker(args: argparse.Namespace) -> int:
             # takes the small-job path and a forced route's does not
             library(tune=False)(cell, copy.deepcopy(cell.model))(cell.small())
         run(cell.small())
-        rec = measure_peak_memory(lambda: out.append(run(cell.batch)), args.device)
+        rec = common.measure_peak_memory(lambda: out.append(run(cell.batch)), args.device)
     if method == "library_auto":
         rec["chosen"] = out[0].info.get("chosen", {})
     print(json.dumps(rec))
     return 0
 
 
-#: a rise below one page is counted as one page (a ratio's denominator)
-PAGE = 4096
-
-#: the memory workers' name for library_auto's route forced (``--route``: its options)
-CHOSEN = "library_chosen"
-
-
 # ---------------------------------------------------------------------- the named grids
 @dataclass(frozen=True)
 class Spot:
-    """A cell of a named grid: a workload on a model with the grid's batch size ``n`` and
-    entries ``k`` (``None``: the workload's), its ``methods`` (names or glob patterns; empty:
-    all) and ``roles`` (the first-call grid: each role in a fresh process, :func:`run_roles`)."""
+    """A cell of a named grid: a workload on a model, batch size ``n`` and entries ``k`` (``None``:
+    the workload's), ``methods`` (names or globs; empty: all), ``roles`` (:func:`run_roles`)."""
 
     workload: str
     model: str
@@ -1723,44 +1429,28 @@ class Spot:
         w, m = cell.split("/", 1)
         return cls(w, m, **{a: int(v) for a, v in (p.split("=") for p in extra.split(",") if p)})
 
-    def wants(self, name: str) -> bool:
-        return (
-            name == "train_step" or not self.methods or any(fnmatch(name, p) for p in self.methods)
-        )
-
     def build(self, args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> Cell:
-        return build_cell(
-            self.workload,
-            self.model,
-            quick=args.quick,
-            device=args.device,
-            dtype=dtype,
-            seed=args.seed,
-            n=self.n,
-            k=self.k,
-        )
+        kw = {"quick": args.quick, "device": args.device, "seed": args.seed}
+        return build_cell(self.workload, self.model, dtype=dtype, n=self.n, k=self.k, **kw)
 
 
 def _main_cells(quick: bool) -> list[Spot]:
-    table = QUICK_GRID if quick else GRID
-    return [Spot(w, m) for w in WORKLOADS for m in table[w]]
+    return [Spot(w, m) for w in WORKLOADS for m in (QUICK_GRID if quick else GRID)[w]]
 
 
 def _choice(quick: bool) -> list[Spot]:
-    extra = [Spot("subset", "multibranch", k=36)]  # a few dozen entries, a low-dim readout
-    cells = [*_main_cells(quick), *([] if quick else extra)]
-    return [dataclasses.replace(s, methods=("library_*",)) for s in cells]
+    extra = [] if quick else [Spot("subset", "multibranch", k=36)]  # a low-dim readout
+    return [dataclasses.replace(s, methods=("library_*",)) for s in _main_cells(quick) + extra]
 
 
 def _batch(quick: bool) -> list[Spot]:
     ms = ("library_auto", "loop_func", "vmap_chunks", "vmap_double_bwd", "backpack")
-    ms += ("autograd_jacobian",)
     if quick:
         sweep = [("fisher", "resnet8", (8, 16)), ("jacnorm", "cnn3", (4, 8))]
     else:
         sweep = [("fisher", m, (32, 64, 128)) for m in ("vgg11_bn_q", "resnet8")]
         sweep += [("jacnorm", m, (10, 128)) for m in ("cnn3", "cnn8")]
-    return [Spot(w, m, n=n, methods=ms) for w, m, ns in sweep for n in ns]
+    return [Spot(w, m, n=n, methods=(*ms, "autograd_jacobian")) for w, m, ns in sweep for n in ns]
 
 
 def _entries(quick: bool) -> list[Spot]:
@@ -1776,23 +1466,20 @@ def _entries(quick: bool) -> list[Spot]:
 
 def _dense(quick: bool) -> list[Spot]:
     return [
-        Spot("laplace", "seg_head", n=2 if quick else 4, methods=("library_auto", "library_sliced"))
+        Spot("laplace", "seg_head", 2 if quick else 4, methods=("library_auto", "library_sliced"))
     ]
 
 
 def _laplace_torch(quick: bool) -> list[Spot]:
-    ms = ("library_auto", "laplace_torch")
-    widths = (32,) if quick else (32, 48)
-    return [
-        Spot("laplace", f"cifarnet{w}", n=8 if quick else 32, k=100, methods=ms) for w in widths
-    ]
+    ms, n = ("library_auto", "laplace_torch"), 8 if quick else 32
+    return [Spot("laplace", f"cifarnet{w}", n, 100, ms) for w in ((32,) if quick else (32, 48))]
 
 
 def _first_call(quick: bool) -> list[Spot]:
     cells = [
-        ("subset", "convblock_wide", (8, 2), 500),  # seed thread 3: ConvBlock, 500 entries
-        ("fisher", "vgg11_bn_q", (32, 16), None),  # seed thread 1: the VGG Fisher
-        ("jacnorm", "cnn3", (128, 32), None),  # seed thread 2: the CNN's Jacobian norm
+        ("subset", "convblock_wide", (8, 2), 500),  # ConvBlock, 500 entries
+        ("fisher", "vgg11_bn_q", (32, 16), None),  # the VGG Fisher
+        ("jacnorm", "cnn3", (128, 32), None),  # the CNN's Jacobian norm
         ("ragged", "sharedfpn", (16, 6), 100),  # ragged dense outputs (segmentation-like)
         ("laplace", "cifarnet32", (32, 16), 100),  # a SubnetLaplace fit
     ]
@@ -1808,24 +1495,15 @@ FAMILIES: dict[str, tuple[str, Callable[[bool], list[Spot]]]] = {
     "entries": ("subset Jacobians: time and memory against the number of entries", _entries),
     "dense": ("a Laplace fit of dense (per-pixel) outputs, sliced against unsliced", _dense),
     "laplace_torch": ("SubnetLaplace against laplace-torch's subnetwork Laplace", _laplace_torch),
-    "first_call": (
-        "first calls in fresh processes: auto, the user's code, tune=False, loaded",
-        _first_call,
-    ),
+    "first_call": ("first calls, a fresh process each: auto, user's code, loaded", _first_call),
 }
 #: first_call: the code a user would write instead, per workload
 USER_CODE = {"fisher": "vmap_chunks", "jacnorm": "vmap_double_bwd"}
 FIRST_TARGETS = {"first": 1.25, "second": 1.2, "loaded": 1.2, "rss": 1.2, "budget": 1.0}
 #: first_call: the ``memory_budget`` of the roles ``budget`` (the batch) and ``overhead`` (its
-#: first sample alone: the process's fixed overhead, what any first call adds to its job)
-FIRST_BUDGET = 20_000_000  # issue 27's Laplace fit rose 137 MiB under this budget
-#: where the result alone is larger (the subset Jacobian of 500 entries: 47 MiB)
-FIRST_BUDGETS = {"subset": 64 * 2**20}
-
-
-def first_budget(workload: str) -> int:
-    """The ``memory_budget`` of a first-call cell's budget roles."""
-    return FIRST_BUDGETS.get(workload, FIRST_BUDGET)
+#: first sample alone: the process's fixed overhead): 20 MB (a user's Laplace fit rose 137 MiB
+#: under it), 64 MiB where the result alone is larger (the subset Jacobian: 47 MiB)
+FIRST_BUDGETS = {**dict.fromkeys(WORKLOADS, 20_000_000), "subset": 64 * 2**20}
 
 
 # ---------------------------------------------------------------------- the main process
@@ -1839,22 +1517,20 @@ def grid(args: argparse.Namespace) -> list[tuple[str, Spot]]:
     out = []
     for fam in names:
         for s in FAMILIES[fam][1](args.quick):
-            if fam == "choice" and s.name in timed:
-                continue
-            if args.workloads and s.workload not in args.workloads:
-                continue
-            if (args.models and s.model not in args.models) or (
-                args.cells
-                and s.name not in args.cells
-                and f"{s.workload}/{s.model}" not in args.cells
+            if (
+                (fam == "choice" and s.name in timed)
+                or (args.workloads and s.workload not in args.workloads)
+                or (args.models and s.model not in args.models)
+                or (args.cells and not {s.name, f"{s.workload}/{s.model}"} & set(args.cells))
             ):
                 continue
             out.append((fam, s))
     return out
 
 
-def malloc_fixed(args: argparse.Namespace) -> dict[str, str] | None:
-    return MALLOC_FIXED if args.malloc == "fixed" else None
+def worker(args: argparse.Namespace, *flags: str, env: dict[str, str] | None = None) -> dict:
+    """This script with ``flags`` (``--worker-*``) in a fresh process: its JSON record."""
+    return run_worker([str(SCRIPT), *args.argv, *flags], timeout_s=args.timeout, env=env)
 
 
 def slow_note(c: dict[str, Any]) -> str:
@@ -1890,30 +1566,21 @@ def summarise(cell: dict[str, Any]) -> None:
         group = {n: s for n, s in timed.items() if ms[n]["kind"] == kind}
         best = min(group, key=group.__getitem__) if group else None
         cell[key], cell[f"{key}_seconds"] = best, group.get(best)  # type: ignore[arg-type]
-    cell["library_over_best_other"] = (
-        auto / cell["best_other_seconds"] if auto and cell["best_other"] else None
-    )
-    cell["auto_over_best_route"] = (
-        auto / cell["best_route_seconds"] if auto and cell["best_route"] else None
-    )
+    other, route = cell["best_other_seconds"], cell["best_route_seconds"]
+    cell["library_over_best_other"] = auto / other if auto and cell["best_other"] else None
+    cell["auto_over_best_route"] = auto / route if auto and cell["best_route"] else None
     if "library_auto" in ms and not auto:
-        r = ms["library_auto"]
-        cell["auto_problem"] = (
-            r.get("error") or r.get("skipped") or r.get("check_error") or "failed the check"
-        )
+        why = (ms["library_auto"].get(k) for k in ("error", "skipped", "check_error"))
+        cell["auto_problem"] = next((w for w in why if w), "failed the check")
     cell["note"] = slow_note(cell)
 
 
-#: ``--quick`` without ``--memory``: peak memory where it is the grid's subject, none elsewhere
-#: (every memory figure is a fresh process: four a cell took half the quick grid's time)
-QUICK_MEMORY = {"batch": "main", "entries": "main"}
-
-
 def memory_of(args: argparse.Namespace, family: str) -> str:
-    """The ``--memory`` setting for a cell of ``family``."""
+    """The ``--memory`` setting for a cell of ``family``: ``--quick`` measures peak memory
+    where it is the grid's subject only (every figure is a fresh process)."""
     if args.memory:
         return args.memory
-    return QUICK_MEMORY.get(family, "none") if args.quick else "all"
+    return {"batch": "main", "entries": "main"}.get(family, "none") if args.quick else "all"
 
 
 def run_cell(
@@ -1921,16 +1588,12 @@ def run_cell(
 ) -> dict[str, Any]:
     """Every method of a cell timed in one fresh worker, then peak memory per method (a fresh
     worker each: ``memory``, :func:`memory_of`)."""
-    name, w, m = spot.name, spot.workload, spot.model
+    name = spot.name
     log(f"== {name}: timing all methods in one worker ...")
     t0 = time.perf_counter()
     methods = ["--methods", *spot.methods] if spot.methods else []
-    rec = run_worker(
-        [str(SCRIPT), *args.argv, "--worker-cell", name, *methods],
-        timeout_s=args.timeout,
-        env=malloc_fixed(args),
-    )
-    rec = {"name": name, "workload": w, "model": m, **rec}
+    rec = worker(args, "--worker-cell", name, *methods, env=args.malloc_env)
+    rec = {"name": name, "workload": spot.workload, "model": spot.model, **rec}
     if "error" in rec or "methods" not in rec:
         log(f"   {name}: {rec.get('error')}")
         return rec
@@ -1940,9 +1603,7 @@ def run_cell(
     for method in [n for n, r in ms.items() if "seconds" in r and (memory == "all" or n in keep)]:
         if memory == "none" or (deadline is not None and time.time() > deadline):
             break
-        mem = run_worker(
-            [str(SCRIPT), *args.argv, "--worker-mem", name, method], timeout_s=args.timeout
-        )
+        mem = worker(args, "--worker-mem", name, method)
         ms[method].update(memory=mem, peak_memory_bytes=mem.get("peak_memory_bytes"))
     base = ms.get("train_step", {}).get("peak_memory_bytes")
     for r in ms.values():
@@ -1960,12 +1621,6 @@ def run_cell(
     return rec
 
 
-#: auto's peak memory against its route forced: pairs of fresh processes (auto, then the route
-#: it ran forced with tune=False), medians: one process's RSS rise of a small call varied by
-#: 5-10 MiB (subset/vgg11_bn_q's route: 11.6-17.0 MiB)
-MEMORY_PAIRS = 3
-
-
 def _auto_against_chosen(
     name: str, auto: dict[str, Any], rec: dict[str, Any], args: argparse.Namespace
 ) -> None:
@@ -1975,17 +1630,11 @@ def _auto_against_chosen(
     autos, forced = [auto["memory"]], []
     for i in range(MEMORY_PAIRS):
         if i:
-            autos.append(
-                run_worker(
-                    [str(SCRIPT), *args.argv, "--worker-mem", name, "library_auto"],
-                    timeout_s=args.timeout,
-                )
-            )
+            autos.append(worker(args, "--worker-mem", name, "library_auto"))
         chosen = autos[-1].get("chosen")
         if chosen is None:
             return
-        route = ["--worker-mem", name, CHOSEN, "--route", json.dumps(chosen)]
-        forced.append(run_worker([str(SCRIPT), *args.argv, *route], timeout_s=args.timeout))
+        forced.append(worker(args, "--worker-mem", name, CHOSEN, "--route", json.dumps(chosen)))
     peaks = [[r.get("peak_memory_bytes") for r in rs] for rs in (autos, forced)]
     if any(None in peak for peak in peaks):
         auto.update(chosen_route_memory=forced[-1])
@@ -2013,7 +1662,7 @@ def role_worker(args: argparse.Namespace) -> int:
     """One role of a first-call cell in this fresh process: setup (model, data, one no-grad
     forward), then the first call (timed, its peak memory), a second call, warm calls;
     ``library`` then saves its decisions to ``path``, ``loaded`` loads them first; ``budget``
-    and ``overhead`` run under :func:`first_budget`, ``overhead`` on one sample."""
+    and ``overhead`` run under :data:`FIRST_BUDGETS`, ``overhead`` on one sample."""
     name, role, path = args.worker_role
     spot = Spot.parse(name)
     torch.set_num_threads(args.threads)
@@ -2022,13 +1671,12 @@ def role_worker(args: argparse.Namespace) -> int:
         for b in cell.batch.buckets:
             cell.forward(cell.model, b.levels)
     user = USER_CODE.get(spot.workload, "loop_func")
+    budget = library(memory_budget=FIRST_BUDGETS[spot.workload])
     prep = {
-        "library": library(),
-        "loaded": library(),
+        **dict.fromkeys(("library", "loaded"), library()),
+        **dict.fromkeys(("budget", "overhead"), budget),
         "estimate": library(tune=False),
         "user": next(m for m in methods_for(spot.workload) if m.name == user).prepare,
-        "budget": library(memory_budget=first_budget(spot.workload)),
-        "overhead": library(memory_budget=first_budget(spot.workload)),
     }[role]
     batch = cell.slice(1) if role == "overhead" else cell.batch
     rec: dict[str, Any] = {"role": role, "code": user if role == "user" else "library"}
@@ -2043,19 +1691,13 @@ def role_worker(args: argparse.Namespace) -> int:
         run, box = prep(cell, cell.model), []
         before = _counters()
         call = lambda: box.append(timed_call(lambda: run(batch), args.device, args.threads))  # noqa: E731
-        rec.update(measure_peak_memory(call, args.device))
-        rec["first_seconds"], rec["counters"] = (
-            box[0][0],
-            {k: v - before[k] for k, v in _counters().items()},
-        )
+        rec.update(common.measure_peak_memory(call, args.device))
+        rec["first_seconds"] = box[0][0]
+        rec["counters"] = {k: v - before[k] for k, v in _counters().items()}
         second, _ = timed_call(lambda: run(batch), args.device, args.threads)
         rec["second_seconds"] = second
-        warm = timer_median(
-            lambda: run(batch),
-            threads=args.threads,
-            min_run_time=args.min_run_time,
-            warm_s=second,
-        )
+        kw = {"threads": args.threads, "min_run_time": args.min_run_time, "warm_s": second}
+        warm = common.timer_median(lambda: run(batch), **kw)
         rec["warm_seconds"], rec["warm_timing"] = warm["seconds"], warm["timing"]
     if role == "library" and tuning is not None:
         rec["saved"] = tuning.save(path)
@@ -2076,9 +1718,9 @@ def _median_role(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One role over its rounds: the round of the median first call, with the median of each
     figure (:data:`ROLE_MEDIANS`) and every round's figures under ``rounds``."""
     ok = [r for r in runs if r.get("first_seconds") is not None]
+    ok.sort(key=lambda r: r["first_seconds"])
     if not ok:
         return runs[-1]
-    ok.sort(key=lambda r: r["first_seconds"])
     out = dict(ok[len(ok) // 2])
     for k in ROLE_MEDIANS:
         values = [r[k] for r in ok if r.get(k) is not None]
@@ -2089,13 +1731,9 @@ def _median_role(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_roles(spot: Spot, args: argparse.Namespace) -> dict[str, Any]:
-    """A first-call cell: the roles ``library`` (auto's first and warm calls, then its decisions
-    saved), ``user`` (the code a user would write), ``estimate`` (``tune=False``), ``loaded``
-    (``multiscale_jac.tuning.load`` of the library's decisions, then the first call), ``budget``
-    (under :func:`first_budget`) and ``overhead`` (the same on one sample), each in a fresh
-    process, ``--repeats`` interleaved rounds (each role's figures their medians: one
-    first call is one sample of a noisy quantity); the ratios against their targets (issue
-    27)."""
+    """A first-call cell: every role of :func:`role_worker` in a fresh process, ``--repeats``
+    interleaved rounds (each role's figures their medians: one first call is one sample of a
+    noisy quantity); the ratios against their targets (:data:`FIRST_TARGETS`)."""
     log(f"== {spot.name}: first calls, a fresh process per role, {args.repeats} rounds ...")
     rec: dict[str, Any] = {"name": spot.name, "workload": spot.workload, "model": spot.model}
     runs: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
@@ -2103,19 +1741,17 @@ def run_roles(spot: Spot, args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             path = str(Path(tmp) / "decisions.json")
             for role in ROLES:
-                cmd = [str(SCRIPT), *args.argv, "--worker-role", spot.name, role, path]
-                r = run_worker(cmd, timeout_s=args.timeout, env=malloc_fixed(args))
+                r = worker(args, "--worker-role", spot.name, role, path, env=args.malloc_env)
                 runs[role].append(r)
                 log(f"   {role}: " + str({k: r.get(k) for k in (*ROLE_MEDIANS[:2], "error")}))
     for role in ROLES:
         rec[role] = _median_role(runs[role])
     lib, user, est, loaded, budget, overhead = (rec[r] for r in ROLES)
-    cap = first_budget(spot.workload)
+    cap = FIRST_BUDGETS[spot.workload]
     budgeted = [r.get("peak_memory_bytes") for r in (budget, overhead)]
-    one_time = None
+    one_time = allowance = None
     if user.get("first_seconds") is not None and user.get("warm_seconds") is not None:
         one_time = max(user["first_seconds"] - user["warm_seconds"], 0.0)
-    allowance = None
     if loaded.get("warm_seconds") is not None and one_time is not None:
         allowance = FIRST_TARGETS["loaded"] * loaded["warm_seconds"] + one_time
     rec["ratios"] = ratios = {
@@ -2135,26 +1771,19 @@ def run_roles(spot: Spot, args: argparse.Namespace) -> dict[str, Any]:
 
 
 NOTES = {
-    "seconds": "median per call from torch.utils.benchmark.Timer (blocked_autorange, or single "
-    "timed calls for calls >= min_run_time), after a warm-up on a slice and one call on the "
-    "batch; every method of a cell in one fresh process",
-    "ratio_to_train_step": "seconds / the training step of the same process (mean of the "
-    "medians before and after the other methods)",
+    "seconds": "median per call (torch.utils.benchmark.Timer) after a warm-up on a slice and one "
+    "call on the batch, every method of a cell in one fresh process; the contenders' the median "
+    "of interleaved rounds",
+    "ratio_to_train_step": "seconds / the training step of the same process",
     "first_call_seconds": "library methods: the first call on the batch, a fresh copy of the "
-    "model, plan cache cleared (torch already warmed up by the slice call)",
-    "checked": "max abs difference from the float64 reference (plain autograd loops) on a slice "
-    "(2 samples; ragged: 3 in 3 shape buckets); valid needs checked_rel <= check_tol and "
-    "float32_rel_diff (vs the first peer on the batch) <= f32_tol",
+    "model, plan cache cleared (torch warmed up by the slice call)",
+    "checked": "max abs difference from the float64 reference (plain autograd loops) on a slice; "
+    "valid: checked_rel <= check_tol and float32_rel_diff (vs the first peer) <= f32_tol",
     "library_over_best_other": "library_auto seconds / the fastest valid non-library method's",
     "auto_over_best_route": "library_auto seconds / the fastest valid forced library route's",
-    "auto_memory_over_chosen_route": "library_auto's peak memory (its timing included: a "
-    "fresh process, a slice call, then the batch) / the route it ran (its chosen_route: "
-    "strategy, mode, entries, samples per call; or method and chunk) forced with tune=False; "
-    "the median of pairs of fresh processes, each pair's ratio (auto's choice may differ "
-    "between processes: each pair forces its own auto's)",
+    "auto_memory_over_chosen_route": "library_auto's peak memory / the route it ran forced with "
+    "tune=False: the median of MEMORY_PAIRS pairs of fresh processes",
     "note": "why auto is slower than the best other method, where it is",
-    "backpack_DiagGGNExact": "not used: the GGN diagonal is neither the empirical Fisher nor "
-    "the off-diagonal subset block a subnetwork Laplace needs",
 }
 
 
@@ -2163,22 +1792,14 @@ def results_path(args: argparse.Namespace) -> Path:
     return (Path(args.out) if args.out else DEFAULT_OUT) / f"{stem}.json"
 
 
-def load_results(path: Path) -> dict[str, Any]:
-    """The results file (``{"runs": [...], "cells": [...]}``), or an empty one."""
-    if path.exists():
-        return json.loads(path.read_text())
-    return {"benchmark": "bench_peers", "notes": NOTES, "runs": [], "cells": []}
-
-
 def merge(results: dict[str, Any], rec: dict[str, Any]) -> None:
-    """``rec`` replaces the cell of the same family and name (the others stay: one file holds
-    every family, each cell naming the run that measured it); a method of the old cell that
-    this run did not measure (a peer not installed here) keeps its old record and run."""
+    """``rec`` replaces the cell of the same family and name (the others stay); a method of the
+    old cell this run did not measure (a peer not installed here) keeps its record and run."""
     key = (rec["family"], rec["name"])
     old = [c for c in results["cells"] if (c.get("family"), c.get("name")) == key]
+    measured = ("seconds", "peak_memory_bytes")
     for name, r in (old[0].get("methods", {}) if old else {}).items():
         new = rec.get("methods", {}).get(name, {})
-        measured = ("seconds", "peak_memory_bytes")
         if any(k in r for k in measured) and not any(k in new for k in measured):
             rec.setdefault("methods", {})[name] = {"run": old[0].get("run"), **r}
     results["cells"] = [c for c in results["cells"] if c not in old] + [rec]
@@ -2190,21 +1811,18 @@ def main(args: argparse.Namespace) -> int:
         log("--device cuda: CUDA is not available")
         return 2
     torch.set_num_threads(args.threads)
-    cells = grid(args)
-    path = results_path(args)
-    results = load_results(path)
-    results["notes"] = {
-        **NOTES,
-        "peak_memory_bytes": MEMORY_CAVEAT_CUDA if device.type == "cuda" else MEMORY_CAVEAT_CPU,
-    }
+    cells, path = grid(args), results_path(args)
+    new = {"benchmark": "bench_peers", "notes": NOTES, "runs": [], "cells": []}
+    results = json.loads(path.read_text()) if path.exists() else new
+    caveat = common.MEMORY_CAVEAT_CUDA if device.type == "cuda" else common.MEMORY_CAVEAT_CPU
+    results["notes"] = {**NOTES, "peak_memory_bytes": caveat}
     run_id = max((r["id"] for r in results["runs"]), default=0) + 1
     config = {k: getattr(args, k) for k in CONFIG_KEYS}
-    config["malloc_env"] = malloc_fixed(args)
-    config["peers_installed"] = {
-        p: importlib.util.find_spec(p) is not None
-        for p in ("backpack", "opacus", "curvlinops", "laplace")
-    }
-    run = {"id": run_id, "env": {**env_stamp(device), "threads": args.threads}, "config": config}
+    config["malloc_env"] = args.malloc_env
+    peers = ("backpack", "opacus", "curvlinops", "laplace")
+    config["peers_installed"] = {p: importlib.util.find_spec(p) is not None for p in peers}
+    env = {**common.env_stamp(device), "threads": args.threads}
+    run = {"id": run_id, "env": env, "config": config}
     run["cells"] = [f"{fam}:{s.name}" for fam, s in cells]
     results["runs"].append(run)
     start = time.time()
@@ -2213,156 +1831,114 @@ def main(args: argparse.Namespace) -> int:
         if deadline is not None and time.time() > deadline:
             log(f"{fam}:{spot.name}: not run (--budget spent)")
             continue
-        rec = (
-            run_roles(spot, args)
-            if spot.roles
-            else run_cell(spot, args, deadline, memory_of(args, fam))
-        )
+        memory = memory_of(args, fam)
+        rec = run_roles(spot, args) if spot.roles else run_cell(spot, args, deadline, memory)
         merge(results, {"family": fam, "run": run_id, **rec})
-        write_json(path, results)
-    run["env"]["load_average_at_end"] = load_average()
+        common.write_json(path, results)
+    run["env"]["load_average_at_end"] = common.load_average()
     run["total_seconds"] = round(time.time() - start, 1)
-    write_json(path, results)
+    common.write_json(path, results)
     import render
 
-    render.write_outputs(results, path.parent, path.stem)
-    return 0
+    return render.write_outputs(results, path.parent, path.stem)
 
 
 CONFIG_KEYS = (
     *("grid", "quick", "device", "threads", "min_run_time", "method_limit", "limit_steps"),
-    "max_gb",
-    *("memory", "check_tol", "f32_tol", "seed", "malloc", "rounds", "repeats"),
+    *("max_gb", "memory", "check_tol", "f32_tol", "seed", "malloc", "rounds", "repeats"),
 )
 
 
 # ---------------------------------------------------------------------- check and dry modes
 def check_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    rows, table, failed = [], [], False
-    for _fam, spot in grid(args):
-        if spot.roles:
-            continue
-        methods = [
-            x for x in methods_for(spot.workload, SPECS[spot.model].dense) if wants(args, x.name)
-        ]
+    rows, table = [], []
+    for _fam, spot in (s for s in grid(args) if not s[1].roles):
+        methods = methods_for(spot.workload, SPECS[spot.model].dense)
         try:
-            meta, checks = check_methods(spot, methods, args)
+            _, checks = check_methods(
+                spot, [x for x in methods if wants(args.methods, x.name)], args
+            )
         except Skip as e:
             log(f"{spot.name}: not applicable: {e}")
             continue
         for name, r in checks.items():
-            bad = "ok" in r and not r["ok"]
-            failed |= bad
             rows.append({"cell": spot.name, "method": name, **r})
             what = str(r.get("skipped") or r.get("error") or r.get("mismatch"))[:90]
-            diffs = [_sci(r.get("max_abs_diff")), _sci(r.get("rel_diff"))]
+            diffs = [
+                "-" if r.get(k) is None else f"{r[k]:.2e}" for k in ("max_abs_diff", "rel_diff")
+            ]
             table.append(
-                [spot.name, name, *diffs, ("FAIL" if bad else "ok") if "ok" in r else what]
+                [spot.name, name, *diffs, ("ok" if r["ok"] else "FAIL") if "ok" in r else what]
             )
-        n_ok = sum(1 for r in checks.values() if r.get("ok"))
-        log(
-            f"{spot.name}: {n_ok}/{len(checks)} ok (reference {meta.get('reference_seconds', 0):.1f} s)"
-        )
     path = results_path(args)
-    data = {"env": env_stamp(args.device), "tol": args.check_tol, "rows": rows}
-    path = write_json(path.with_name(path.stem + "_check.json"), data)
-    print(markdown_table(["cell", "method", "max abs diff", "rel diff", "result"], table))
+    data = {"env": common.env_stamp(args.device), "tol": args.check_tol, "rows": rows}
+    path = common.write_json(path.with_name(path.stem + "_check.json"), data)
+    print(common.markdown_table(["cell", "method", "max abs diff", "rel diff", "result"], table))
+    failed = any(row[-1] == "FAIL" for row in table)
     log(f"wrote {path}" + ("; FAILED" if failed else ""))
     return 1 if failed else 0
-
-
-def _sci(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2e}"
 
 
 def dry_main(args: argparse.Namespace) -> int:
     """The named grids' cells and methods; nothing measured."""
     rows = []
     for fam, s in grid(args):
-        ms = methods_for(s.workload, SPECS[s.model].dense)
         if s.roles:
             rows.append([fam, s.name, "library, user, estimate, loaded: fresh processes", "roles"])
             continue
+        ms = methods_for(s.workload, SPECS[s.model].dense)
         rows += [
-            [fam, s.name, x.name, x.kind] for x in ms if s.wants(x.name) and wants(args, x.name)
+            [fam, s.name, x.name, x.kind]
+            for x in ms
+            if wants(s.methods, x.name) and wants(args.methods, x.name)
         ]
-    print(markdown_table(["grid", "cell", "method", "kind"], rows))
+    print(common.markdown_table(["grid", "cell", "method", "kind"], rows))
     print(f"\n{len(grid(args))} cells, {len(rows)} (cell, method) pairs; device {args.device}")
     return 0
 
 
 # ---------------------------------------------------------------------- command line
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], epilog="See the module docstring."
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="See the docstring.")
     add = p.add_argument
-    add(
-        "--grid",
-        nargs="+",
-        default=["main"],
-        choices=["all", *FAMILIES],
-        help="named grids to run (default main; all: every one): "
-        + "; ".join(f"{k}: {v[0]}" for k, v in FAMILIES.items()),
-    )
+    grids = "; ".join(f"{k}: {v[0]}" for k, v in FAMILIES.items())
+    grids = f"named grids to run (default main; all: every one): {grids}"
+    add("--grid", nargs="+", default=["main"], choices=["all", *FAMILIES], help=grids)
     add("--quick", action="store_true", help="small cells, short timing (every grid's quick form)")
     add("--check", action="store_true", help="float64 agreement of every method; exit 1 on failure")
     add("--dry", action="store_true", help="list the cells and methods; run nothing")
-    add("--render", metavar="JSON", help="rebuild the tables and plots from a results file")
     add("--workloads", nargs="*", choices=WORKLOADS, help="only these workloads")
     add("--models", nargs="*", choices=sorted(SPECS), help="only these models")
     add("--cells", nargs="*", metavar="W/M", help="only these cells (workload/model[@n=..,k=..])")
-    add(
-        "--methods",
-        nargs="*",
-        help="only these methods, names or glob patterns (train_step always)",
-    )
+    add("--methods", nargs="*", help="only these methods, names or globs (train_step always)")
     add("--device", default="cpu", help="cpu or cuda (default cpu)")
     add("--threads", type=int, default=2, help="torch threads and Timer num_threads (2)")
     add("--min-run-time", type=float, default=0.0, help="Timer min_run_time (0.5; quick 0.1)")
     add("--method-limit", type=float, help="skip a method estimated slower (s/call; 40, quick 10)")
-    add(
-        "--limit-steps",
-        type=float,
-        default=200.0,
-        help="or, where larger, skip a method estimated slower than this many training steps "
-        "(200: a loaded machine slows every method alike)",
-    )
+    add("--limit-steps", type=float, default=200.0, help="or than this many training steps (200)")
     add("--max-gb", type=float, default=4.0, help="skip a method whose memory estimate is larger")
-    add(
-        "--memory",
-        choices=("all", "main", "none"),
-        help="peak memory per method in a fresh process: all (default), main (train step, "
-        "auto, best other, best route; quick's default for the batch and entries grids) or "
-        "none (quick's default elsewhere)",
+    memory = (
+        "peak memory per method in a fresh process: all (default), main (train step, auto, best "
+        "other, best route; quick's default for the batch and entries grids) or none (quick's)"
     )
+    add("--memory", choices=("all", "main", "none"), help=memory)
     add("--check-tol", type=float, default=1e-9, help="float64 relative tolerance (1e-9)")
     add("--f32-tol", type=float, default=1e-3, help="float32 relative tolerance vs the first peer")
     add("--check-limit", type=float, help="seconds per method on the float64 slice (30; quick 5)")
     add("--budget", type=float, default=0.0, help="seconds; start no new cell after (0: none)")
     add("--timeout", type=float, default=1200.0, help="seconds per worker process")
     add("--rounds", type=int, help="interleaved rounds of the contenders (5, quick 3; 0: none)")
-    add(
-        "--repeats",
-        type=int,
-        help="first_call: interleaved rounds of the fresh-process roles, medians (3, quick 1)",
-    )
+    add("--repeats", type=int, help="first_call: interleaved rounds of the roles (3, quick 1)")
     add("--rounds-budget", type=float, default=60.0, help="seconds for the rounds at most (60)")
-    add(
-        "--malloc",
-        choices=("fixed", "default"),
-        default="fixed",
-        help="the timing workers' glibc malloc thresholds: fixed (default; MALLOC_FIXED) or "
-        "glibc's dynamic default",
-    )
+    malloc = "the timing workers' glibc malloc thresholds: fixed (MALLOC_FIXED) or glibc's"
+    add("--malloc", choices=("fixed", "default"), default="fixed", help=malloc)
     add("--seed", type=int, default=0)
     add("--out", help="output folder (default: benchmarks/results)")
     add("--name", help="results file stem (default: grid, or grid_quick; --check adds _check)")
-    add("--worker-cell", help=argparse.SUPPRESS)
-    add("--worker-mem", nargs=2, help=argparse.SUPPRESS)
-    add("--route", help=argparse.SUPPRESS)
-    add("--worker-role", nargs=3, help=argparse.SUPPRESS)
+    hidden = {"--worker-cell": None, "--worker-mem": 2, "--route": None, "--worker-role": 3}
+    for flag, nargs in hidden.items():
+        add(flag, nargs=nargs, help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     args.argv = argv  # what the workers get (their --worker-* flag takes precedence)
@@ -2371,33 +1947,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.check_limit = args.check_limit or (5.0 if args.quick else 30.0)
     args.rounds = (3 if args.quick else 5) if args.rounds is None else args.rounds
     args.repeats = (1 if args.quick else 3) if args.repeats is None else args.repeats
+    args.malloc_env = MALLOC_FIXED if args.malloc == "fixed" else None
     return args
-
-
-def guarded(fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """A worker's exception becomes a one-line ``{"error": ...}`` (traceback on stderr)."""
-    try:
-        return fn(args)
-    except Exception as e:
-        traceback.print_exc()
-        print(json.dumps({"error": error_text(e)}))
-        return 0
 
 
 if __name__ == "__main__":
     args = parse()
-    for flag, worker in (("worker_cell", cell_worker), ("worker_mem", memory_worker)):
+    workers = {"worker_cell": cell_worker, "worker_mem": memory_worker, "worker_role": role_worker}
+    for flag, fn in workers.items():
         if getattr(args, flag):
-            sys.exit(guarded(worker, args))
-    if args.worker_role:
-        sys.exit(guarded(role_worker, args))
-    if args.render:
-        import render
-
-        path = Path(args.render)
-        sys.exit(
-            render.write_outputs(
-                json.loads(path.read_text()), Path(args.out or path.parent), path.stem
-            )
-        )
+            try:  # a worker's exception is a one-line {"error": ...} (traceback on stderr)
+                sys.exit(fn(args))
+            except Exception as e:
+                traceback.print_exc()
+                print(json.dumps({"error": error_text(e)}))
+                sys.exit(0)
     sys.exit(dry_main(args) if args.dry else check_main(args) if args.check else main(args))

@@ -1,28 +1,11 @@
-"""What knowing which sample each row belongs to costs, and what the loop costs.
+"""What knowing which sample each row belongs to costs, and what the loop costs (docs/
+benchmarks.md). Writes ``benchmarks/results/bench_rows.json`` and prints the tables.
 
-``--grid speed``: the library's default call (``bench_peers``' ``library()``: ``diag_fisher``
-and ``jacobian_sq_norm(...).backward()`` with their defaults) on the main grid's fisher and
-jacnorm cells (``bench_peers.build_cell``, models that do not fold), at this checkout and at
-another source tree (``--old``, e.g. ``git worktree add /tmp/old <commit>``), side by side:
-in every round, one fresh worker per tree and cell, in alternating order, times two warm-up
-calls, then ``--calls`` warm calls and as many training steps (``bench_peers.train_step``);
-a tree's figure for the round is its median call over its median step. The table gives the
-median over rounds of each tree and their ratio (new over old), the median of the rounds' own
-ratios (``paired``: the two workers of a round ran back to back) and the median ratio of the
-calls' seconds; ``--cells`` reruns some cells and keeps the others' results.
-
-``--grid loop``: a model that cannot run vectorised over samples and has an op with no
-batching rule (``RoIHead``: RoI pooling per pyramid level written into a buffer made inside
-the forward pass, as torchvision's ``MultiScaleRoIAlign`` does, a custom op without a vmap
-rule, and a box head), the Jacobian w.r.t. the head's tensors: the per-sample ``jacrev`` loop
-a user writes against the library's first, second and warm calls (``strategy="auto"``, which
-falls back to the loop) and ``strategy="loop"``; interleaved rounds in one process, medians;
-peak memory of one call of each in a fresh worker.
-
-Writes ``benchmarks/results/bench_rows.json`` and prints the tables::
-
-    python benchmarks/bench_rows.py --grid speed --old /tmp/old   # minutes
-    python benchmarks/bench_rows.py --grid loop
+``--grid speed --old TREE``: the library's default call on the main grid's fisher and jacnorm
+cells at this checkout and at another source tree (``git worktree add``), a fresh worker per
+tree and cell in alternating order each round, in training steps. ``--grid loop``: a model that
+cannot run vectorised over samples (:class:`RoIHead`), the user's per-sample ``jacrev`` loop
+against the library's first, second and warm calls and ``strategy="loop"``.
 """
 
 from __future__ import annotations
@@ -43,13 +26,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 HERE = Path(__file__).resolve().parent
-CELLS = [
-    *(
-        f"fisher/{m}"
-        for m in ("vgg11_bn_q", "resnet8", "tanh_cnn", "gelu_cnn", "gn_dw", "transformer")
-    ),
-    *(f"jacnorm/{m}" for m in ("cnn3", "cnn8", "tanh_cnn", "gelu_cnn", "gn_dw", "transformer")),
-]
+_NEW = ("tanh_cnn", "gelu_cnn", "gn_dw", "transformer")
+CELLS = [f"fisher/{m}" for m in ("vgg11_bn_q", "resnet8", *_NEW)]
+CELLS += [f"jacnorm/{m}" for m in ("cnn3", "cnn8", *_NEW)]
 
 
 # ---------------------------------------------------------------------- speed: two trees
@@ -64,20 +43,17 @@ def speed_worker(cell_id: str, calls: int) -> dict[str, Any]:
     cell = bp.build_cell(workload, model, quick=False)
     run = bp.library()(cell, cell.model)
     step = bp.train_step(cell, cell.model)
+
+    def timed(fn: Any) -> float:
+        t = time.perf_counter()
+        fn(cell.batch)
+        return time.perf_counter() - t
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first = time.perf_counter()
+        first = timed(run)
         run(cell.batch)
-        first = time.perf_counter() - first
-        run(cell.batch)
-        times, steps = [], []
-        for _ in range(calls):
-            t = time.perf_counter()
-            run(cell.batch)
-            times.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            step(cell.batch)
-            steps.append(time.perf_counter() - t)
+        times, steps = zip(*[(timed(run), timed(step)) for _ in range(calls)])
     return {
         "library": mj.__file__,
         "first_s": first,
@@ -89,9 +65,7 @@ def speed_worker(cell_id: str, calls: int) -> dict[str, Any]:
 def speed_grid(args: argparse.Namespace) -> dict[str, Any]:
     trees = {"old": Path(args.old).resolve(), "new": HERE.parent}
     cells_run = args.cells.split(",") if args.cells else CELLS
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        c: {"old": [], "new": []} for c in cells_run
-    }
+    runs: dict[str, Any] = {c: {"old": [], "new": []} for c in cells_run}
     for r in range(args.rounds):
         for k, cell in enumerate(cells_run):
             order = ["old", "new"] if (r + k) % 2 == 0 else ["new", "old"]
@@ -126,16 +100,9 @@ def speed_grid(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def speed_table(cells: dict[str, Any]) -> str:
+    keys = ("old_steps", "new_steps", "ratio", "paired", "seconds")
     rows = [
-        [
-            cell,
-            c["rounds"],
-            f"{c['old_steps']:.2f}",
-            f"{c['new_steps']:.2f}",
-            f"{c['ratio']:.2f}",
-            f"{c['paired']:.2f}",
-            f"{c['seconds']:.2f}",
-        ]
+        [cell, c["rounds"], *(f"{c[k]:.2f}" for k in keys)]
         for cell, c in cells.items()
         if "ratio" in c
     ]
@@ -269,23 +236,10 @@ def loop_grid(args: argparse.Namespace) -> dict[str, Any]:
             times[k].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
     user = med["user jacrev loop"]
-    rows = [
-        [
-            "library, auto: first call",
-            f"{firsts['first'] * 1e3:.1f}",
-            f"{firsts['first'] / user:.2f}",
-        ],
-        [
-            "library, auto: second call",
-            f"{firsts['second'] * 1e3:.1f}",
-            f"{firsts['second'] / user:.2f}",
-        ],
-    ]
-    rows += [[k, f"{v * 1e3:.1f}", f"{v / user:.2f}"] for k, v in med.items()]
-    memory = {
-        k: run_worker([str(Path(__file__)), "--memory", k, "--n", str(args.n)], timeout_s=600)
-        for k in ("user", "auto", "loop")
-    }
+    rows = [[f"library, auto: {k} call", firsts[k]] for k in ("first", "second")]
+    rows = [[k, f"{v * 1e3:.1f}", f"{v / user:.2f}"] for k, v in [*rows, *med.items()]]
+    worker = [str(Path(__file__)), "--n", str(args.n), "--memory"]
+    memory = {k: run_worker([*worker, k], timeout_s=600) for k in ("user", "auto", "loop")}
     table = markdown_table(["method", "ms", "/ user's jacrev loop"], rows)
     return {
         "N": args.n,

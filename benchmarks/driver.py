@@ -1,20 +1,11 @@
 """The driver of ``multiscale-jac bench``: run the benchmark grid and write its report.
 
 ``multiscale-jac bench`` loads this file from the source tree's ``benchmarks/`` folder (or from
-``$MULTISCALE_JAC_BENCHMARKS``); it is not part of the installed package. It imports nothing
-but the standard library (the command line reads :data:`SUITES` for ``--help`` cheaply).
-
-The benchmark is one grid, ``bench_peers.py``: its named grids (:data:`SUITES`, the command
-line's ``--suites``) run in one process that starts a fresh worker per cell, and write one
-results file; ``render.py`` turns that file into
-
-* ``DIR/raw/grid[_quick].json``: the results file (every cell, every run's environment);
-* ``DIR/results.json``: the same records, the report's copy;
-* ``DIR/report.md``: the runs, one table per named grid, one per cell;
-* ``DIR/grid_*.png``: auto against the best other method per main cell, the batch and entries
-  sweeps (needs matplotlib, the ``plot`` extra; left out otherwise).
-
-``--from DIR`` renders ``DIR/grid.json`` (``--quick``: ``grid_quick.json``) without running.
+``$MULTISCALE_JAC_BENCHMARKS``); it is not part of the installed package and imports only the
+standard library (the command line reads :data:`SUITES` for ``--help`` cheaply). The named
+grids run in ``bench_peers.py`` (a fresh worker per cell) into ``DIR/raw/grid[_quick].json``;
+``render.py`` writes ``DIR/report.md``, ``DIR/results.json`` (the same records) and the plots
+(with matplotlib, the ``plot`` extra). ``--from DIR`` renders ``DIR/grid.json`` without running.
 """
 
 from __future__ import annotations
@@ -26,26 +17,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = [
-    "QUICK_ARGS",
-    "QUICK_SUITES",
-    "SUITES",
-    "benchmarks_dir",
-    "results_file",
-    "run_bench",
-    "write_report",
-]
-
 #: the named grids of ``bench_peers.py`` (its ``FAMILIES``; a test keeps the two in step)
-SUITES: tuple[str, ...] = (
-    "main",
-    "choice",
-    "batch",
-    "entries",
-    "dense",
-    "laplace_torch",
-    "first_call",
-)
+SUITES = ("main", "choice", "batch", "entries", "dense", "laplace_torch", "first_call")
 
 #: what ``multiscale-jac bench --quick`` runs without ``--suites``: one main cell against the
 #: code a user would write, a few minutes on 2 cores (``--suites ...`` runs those named grids'

@@ -1,22 +1,11 @@
-"""Every published figure of the benchmark grid, rendered from one results file.
+"""Every published figure of the benchmark grid, rendered from its results files (standard
+library only at module level; matplotlib inside the plots).
 
-``bench_peers.py`` writes ``benchmarks/results/grid.json`` (``{"runs": [...], "cells": [...]}``,
-each cell naming its named grid, ``family``, and the ``run`` that measured it, each run its
-environment stamp). This module turns that file into
-
-* ``<stem>.md`` and plots next to it (:func:`write_outputs`): every family's table, then every
-  cell's per-method table;
-* the report of ``multiscale-jac bench`` (:func:`write_report`: ``report.md``,
-  ``results.json``, plots);
-* the blocks of README.md and the docs pages between ``<!-- figures: NAME from PATH -->`` and
-  ``<!-- /figures -->`` (:data:`FIGURES`; :func:`update_pages` rewrites them, :func:`stale_blocks`
-  lists those that differ from what their results file renders: the test of the published
-  figures).
-
-    python benchmarks/render.py                # rewrite README.md's and the docs' blocks
-    python benchmarks/render.py --check        # exit 1 where a block differs from its file
-
-Only the standard library at module level (matplotlib inside the plots).
+From ``benchmarks/results/grid.json`` (``runs``, ``cells`` naming their ``family`` and ``run``):
+``<stem>.md`` and plots (:func:`write_outputs`), ``multiscale-jac bench``'s report
+(:func:`write_report`), and the docs' blocks between ``<!-- figures: NAME from PATH -->`` and
+``<!-- /figures -->`` (:data:`FIGURES`; :func:`stale_blocks`: the published figures' test).
+``python benchmarks/render.py [--check | --outputs FILE]`` rewrites (checks) every block.
 """
 
 from __future__ import annotations
@@ -31,13 +20,11 @@ from statistics import median
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = "benchmarks/results/grid.json"
 PAGES = ("README.md", "docs/**/*.md")
-BLOCK = re.compile(
-    r"(<!-- figures: (?P<name>[\w-]+) from (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- /figures -->)",
-    re.S,
-)
+_OPEN = r"(<!-- figures: (?P<name>[\w-]+) from (?P<path>\S+) -->\n)"
+BLOCK = re.compile(_OPEN + r"(?P<body>.*?)(<!-- /figures -->)", re.S)
 MIB = 2**20
+Results = dict[str, Any]
 
 
 # ---------------------------------------------------------------------- formatting
@@ -60,38 +47,26 @@ def mib(b: float | None) -> str:
     return num(b / 2**30, " GiB") if b >= 2**30 else num(b / MIB, " MiB")
 
 
-def table(headers: list[str], rows: Iterable[list[Any]]) -> str:
+def table(headers: Iterable[str], rows: Iterable[Iterable[Any]]) -> str:
     """A markdown table; columns right-aligned where every value is a number."""
-    rows = [["-" if c is None else str(c) for c in r] for r in rows]
-    right = [
-        bool(rows) and all(re.fullmatch(r"-|[\d.,]+x?", r[i]) for r in rows)
-        for i in range(len(headers))
-    ]
-    sep = "|" + "|".join("--:" if ra else "---" for ra in right) + "|"
-    return "\n".join(
-        ["| " + " | ".join(headers) + " |", sep, *("| " + " | ".join(r) + " |" for r in rows)]
-    )
+    headers, rows = list(headers), [["-" if c is None else str(c) for c in r] for r in rows]
+    numeric = [all(re.fullmatch(r"-|[\d.,]+x?", r[i]) for r in rows) for i in range(len(headers))]
+    sep = "|" + "|".join("--:" if rows and n else "---" for n in numeric) + "|"
+    lines = ["| " + " | ".join(r) + " |" for r in [headers, *rows]]
+    return "\n".join([lines[0], sep, *lines[1:]])
 
 
-def cells(results: dict[str, Any], family: str) -> list[dict[str, Any]]:
+def bullets(items: dict[str, str], width: int = 300) -> str:
+    """``- **key**: value`` lines, each value's first line (notes below a table, not in it)."""
+    short = {k: " ".join(v.strip().split("\n")[0].split())[:width] for k, v in items.items()}
+    return "\n".join(f"- **{k}**: {v}" for k, v in short.items() if v)
+
+
+def cells(results: Results, family: str) -> list[dict[str, Any]]:
     return [c for c in results["cells"] if c.get("family") == family]
 
 
-def measured(family: str) -> Callable[[Callable[..., str]], Callable[..., str]]:
-    """A family's table, or a line saying that none of its cells has been measured yet."""
-
-    def wrap(fn: Callable[..., str]) -> Callable[..., str]:
-        def table_or_line(results: dict[str, Any], *args: Any, **kw: Any) -> str:
-            if cells(results, family):
-                return fn(results, *args, **kw)
-            return f"No cell of this grid measured yet (`bench_peers.py --grid {family}`)."
-
-        return table_or_line
-
-    return wrap
-
-
-def cell(results: dict[str, Any], family: str, name: str) -> dict[str, Any]:
+def cell(results: Results, family: str, name: str) -> dict[str, Any]:
     found = [c for c in cells(results, family) if c["name"] == name]
     return found[0] if found else {"name": name, "methods": {}}
 
@@ -116,118 +91,93 @@ def why_not(r: dict[str, Any]) -> str:
     return str(r.get("skipped") or r.get("error") or "not run")[:80]
 
 
+def measured(family: str, fn: Callable[..., str]) -> Callable[..., str]:
+    """``fn``'s table, or a line saying that no cell of ``family`` has been measured yet."""
+
+    def table_or_line(results: Results, *args: Any) -> str:
+        if cells(results, family):
+            return fn(results, *args)
+        return f"No cell of this grid measured yet (`bench_peers.py --grid {family}`)."
+
+    return table_or_line
+
+
 # ---------------------------------------------------------------------- the family tables
 def main_table(
-    results: dict[str, Any], family: str = "main", notes: bool = False, routes: bool = True
+    results: Results, family: str = "main", notes: bool = False, routes: bool = True
 ) -> str:
     """Per cell: auto and the best other method in training steps; ``routes``: also the best
-    forced route (the benchmark page leaves it to the route-choice table, to fit the column)."""
+    forced route; ``notes``: why auto is slower, where it is, as a list under the table."""
     head = ["cell", "auto x step", "best other", "other x step", "auto / best other"]
-    head += (["best route", "auto / best route"] if routes else []) + (["note"] if notes else [])
-    rows = []
+    rows, why = [], {}
     for c in cells(results, family):
         auto, other = method(c, "library_auto"), method(c, c.get("best_other"))
-        row = [c["name"], steps(auto), c.get("best_other") or "-", steps(other)]
+        row = [c["name"], steps(auto), c.get("best_other"), steps(other)]
         row.append(num(c.get("library_over_best_other")))
         if routes:
             row += [route(c.get("best_route")), num(c.get("auto_over_best_route"))]
-        if notes:
-            problem = c.get("error") or c.get("auto_problem") or c.get("note") or ""
-            row.append(str(problem)[:160])
         rows.append(row)
-    return table(head, rows)
+        why[c["name"]] = str(c.get("error") or c.get("auto_problem") or c.get("note") or "")
+    head += ["best route", "auto / best route"] if routes else []
+    out = table(head, rows)
+    return out + "\n\nNotes:\n\n" + bullets(why) if notes and any(why.values()) else out
 
 
-def _memory_pair(c: dict[str, Any]) -> str:
-    """auto's peak memory over its route forced, with both (a ratio of rises near zero says
-    little on its own)."""
-    ratio = c.get("auto_memory_over_chosen_route")
-    if ratio is None:
-        return "-"
-    auto = method(c, "library_auto")
-    ours = auto.get("peak_memory_median_bytes", auto.get("peak_memory_bytes"))
-    forced = (auto.get("chosen_route_memory") or {}).get("peak_memory_bytes")
-    return f"{num(ratio)} ({mib(ours)} / {mib(forced)})"
-
-
-def choice_table(results: dict[str, Any]) -> str:
+def choice_table(results: Results) -> str:
     """auto (the cost model's choice: nothing timed) against the fastest forced route per
-    cell: the choice family's cell where one was measured, else the main family's (both time
-    auto and every forced route)."""
+    cell: the choice family's cell where one was measured, else the main family's."""
     chosen = {c["name"]: c for c in cells(results, "main")}
     chosen.update({c["name"]: c for c in cells(results, "choice")})
-    rows = [
-        [
+    rows = []
+    for c in chosen.values():
+        row = [
             c["name"],
             secs(method(c, "library_auto").get("seconds")),
             route(c.get("best_route")),
-            secs(c.get("best_route_seconds")),
-            num(c.get("auto_over_best_route")),
-            c.get("run"),
         ]
-        for c in chosen.values()
-    ]
+        row += [secs(c.get("best_route_seconds")), num(c.get("auto_over_best_route")), c.get("run")]
+        rows.append(row)
     ratios = [c["auto_over_best_route"] for c in chosen.values() if c.get("auto_over_best_route")]
     head = ["cell", "auto s", "fastest forced route", "route s", "auto / route", "run"]
-    fams = sorted({c["family"] for c in chosen.values()})
+    fams = " and ".join(f"`{f}`" for f in sorted({c["family"] for c in chosen.values()}))
     summary = (
-        f"{len(ratios)} cells of the {' and '.join(f'`{f}`' for f in fams)} grids; auto (the "
-        f"estimate) / the fastest forced route: median {num(median(ratios))}, largest "
-        f"{num(max(ratios))}."
+        f"{len(ratios)} cells of the {fams} grids; auto (the estimate) / the fastest forced "
+        f"route: median {num(median(ratios))}, largest {num(max(ratios))}."
         if ratios
         else "No cells measured."
     )
     return table(head, rows) + "\n\n" + summary
 
 
-def _priced(c: dict[str, Any]) -> list[tuple[str, float, float]]:
-    """``(route, estimated s, measured s)`` of every forced route of an engine cell whose
-    result noted the cost model's price."""
-    found = []
-    for name, r in c.get("methods", {}).items():
-        est = (r.get("library") or {}).get("estimate_s")
-        if name.startswith("library_") and name != "library_auto" and est and r.get("seconds"):
-            found.append((route(name), float(est), float(r["seconds"])))
-    return found
-
-
-def estimate_error_table(results: dict[str, Any]) -> str:
+def estimate_error_table(results: Results) -> str:
     """The cost model's error: per cell of the choice grid, every forced route's estimated
     seconds (noted by the engine) against its measured seconds."""
     rows, ratios = [], []
     for c in cells(results, "choice"):
-        priced = _priced(c)
+        priced = [
+            (route(name), float(r["library"]["estimate_s"]), float(r["seconds"]))
+            for name, r in c.get("methods", {}).items()
+            if name.startswith("library_") and name != "library_auto" and r.get("seconds")
+            if (r.get("library") or {}).get("estimate_s")
+        ]
         if not priced:
             continue
         off = [t / e for _, e, t in priced]
         ratios += off
-        pick = min(priced, key=lambda p: p[1])
-        fastest = min(priced, key=lambda p: p[2])
-        rows.append(
-            [
-                c["name"],
-                len(priced),
-                num(median(off)),
-                f"{num(min(off))}-{num(max(off))}",
-                pick[0],
-                fastest[0],
-                num(pick[2] / fastest[2]),
-            ]
-        )
+        pick, fastest = min(priced, key=lambda p: p[1]), min(priced, key=lambda p: p[2])
+        row = [c["name"], len(priced), num(median(off)), f"{num(min(off))}-{num(max(off))}"]
+        rows.append([*row, pick[0], fastest[0], num(pick[2] / fastest[2])])
     head = ["cell", "routes", "measured / estimated: median", "range", "cheapest estimated"]
-    head += ["fastest measured", "its time / fastest"]
     summary = (
         f"{len(ratios)} routes in {len(rows)} cells; measured / estimated seconds: median "
         f"{num(median(ratios))}, from {num(min(ratios))} to {num(max(ratios))}."
         if ratios
         else "No priced routes measured."
     )
-    return table(head, rows) + "\n\n" + summary
+    return table([*head, "fastest measured", "its time / fastest"], rows) + "\n\n" + summary
 
 
-def methods_table(
-    results: dict[str, Any], family: str, param: str, workload: str | None = None
-) -> str:
+def methods_table(results: Results, family: str, param: str, workload: str | None = None) -> str:
     """Per cell and method: seconds, training steps, peak memory (the batch and entries
     sweeps; ``param``: the column of the swept parameter, ``n`` or ``k``)."""
     rows = []
@@ -235,208 +185,101 @@ def methods_table(
         if workload and c.get("workload") != workload:
             continue
         for name, r in c.get("methods", {}).items():
-            if "seconds" not in r and name != "autograd_jacobian":
-                continue
-            value = c.get("N") if param == "n" else c.get("P")
-            if "seconds" not in r:
-                rows.append([c["name"].split("@")[0], value, name, why_not(r), "-", "-", "-"])
-                continue
-            rows.append(
-                [
-                    c["name"].split("@")[0],
-                    value,
-                    name,
-                    secs(r["seconds"]),
-                    steps(r),
-                    num(r.get("peak_memory_bytes") and r["peak_memory_bytes"] / MIB),
-                    num(r.get("memory_ratio_to_train_step")),
-                ]
-            )
+            row = [c["name"].split("@")[0], c.get("N") if param == "n" else c.get("P"), name]
+            if "seconds" in r:
+                peak = r.get("peak_memory_bytes")
+                row += [secs(r["seconds"]), steps(r), num(peak and peak / MIB)]
+                rows.append([*row, num(r.get("memory_ratio_to_train_step"))])
+            elif name == "autograd_jacobian":
+                rows.append([*row, why_not(r), "-", "-", "-"])
     head = ["cell", param.upper() if param == "n" else "entries", "method", "s", "x step"]
     return table([*head, "peak MiB", "x step memory"], rows)
 
 
-@measured("dense")
-def dense_table(results: dict[str, Any]) -> str:
+def dense_table(results: Results) -> str:
     rows = []
     for c in cells(results, "dense"):
         un, sl = method(c, "library_auto"), method(c, "library_sliced")
         ratio = sl["seconds"] / un["seconds"] if "seconds" in un and "seconds" in sl else None
-        rows.append(
-            [
-                c["name"],
-                c.get("O"),
-                c.get("P"),
-                secs(un.get("seconds")),
-                secs(sl.get("seconds")),
-                num(ratio),
-                "-" if sl.get("float32_rel_diff") is None else f"{sl['float32_rel_diff']:.1e}",
-            ]
-        )
+        diff = sl.get("float32_rel_diff")
+        row = [c["name"], c.get("O"), c.get("P"), secs(un.get("seconds")), secs(sl.get("seconds"))]
+        rows.append([*row, num(ratio), "-" if diff is None else f"{diff:.1e}"])
     head = ["cell", "outputs a sample", "entries", "unsliced s", "sliced s", "sliced / unsliced"]
     return table([*head, "rel diff"], rows)
 
 
-@measured("laplace_torch")
-def laplace_torch_table(results: dict[str, Any]) -> str:
+def laplace_torch_table(results: Results) -> str:
     rows = []
     for c in cells(results, "laplace_torch"):
         for name in ("library_auto", "laplace_torch"):
             r = method(c, name)
             mem = mib(r.get("peak_memory_bytes"))
-            run = r.get("run", c.get("run"))
-            rows.append(
-                [c["name"], name, secs(r.get("seconds")), mem if mem != "-" else why_not(r), run]
-            )
+            mem = mem if mem != "-" else why_not(r)
+            rows.append([c["name"], name, secs(r.get("seconds")), mem, r.get("run", c.get("run"))])
     return table(["cell", "method", "s", "peak memory", "run"], rows)
 
 
-@measured("first_call")
-def first_call_table(results: dict[str, Any]) -> str:
-    rows = []
+def first_call_table(results: Results) -> str:
+    """Two tables (time, then memory) and the cells over a target."""
+    time_rows, memory_rows, over = [], [], {}
     for c in cells(results, "first_call"):
         lib, user, ratio = c.get("library", {}), c.get("user", {}), c.get("ratios", {})
-        rows.append(
-            [
-                c["name"],
-                secs(lib.get("first_seconds")),
-                secs(user.get("first_seconds")),
-                num(ratio.get("first")),
-                num(ratio.get("second")),
-                num(ratio.get("warm")),
-                num(ratio.get("loaded")),
-                num(ratio.get("rss")),
-                mib(c.get("budget", {}).get("peak_memory_bytes")),
-                mib(c.get("overhead", {}).get("peak_memory_bytes")),
-                num(ratio.get("budget")),
-                ", ".join(c.get("over_target", [])) or "-",
-            ]
+        time_rows.append(
+            [c["name"], secs(lib.get("first_seconds")), secs(user.get("first_seconds"))]
+            + [num(ratio.get(k)) for k in ("first", "second", "warm", "loaded")]
         )
+        row = [c["name"], num(ratio.get("rss")), mib(c.get("budget", {}).get("peak_memory_bytes"))]
+        row += [mib(c.get("overhead", {}).get("peak_memory_bytes")), num(ratio.get("budget"))]
+        memory_rows.append(row)
+        over[c["name"]] = ", ".join(c.get("over_target", []))
     head = ["cell", "auto first s", "user first s", "first / user first", "second / warm"]
-    head += ["warm / user warm"]
-    budget = "(budgeted - overhead) / budget"
-    head += ["loaded / allowance", "RSS / tune=False", "budgeted RSS", "overhead", budget]
-    return table([*head, "over target"], rows)
-
-
-def busy(load: list[Any], threads: int) -> str:
-    """A note where the machine's load average passed its threads: other work shared the cores
-    (times are then noisy; ratios in training steps less so, memory not at all)."""
-    peak = max((x[0] for x in load if x), default=0.0)
-    return (
-        f"; loaded machine (load {peak:.1f} on {threads} threads): times noisy"
-        if peak > threads
-        else ""
+    head += ["warm / user warm", "loaded / allowance"]
+    memory = ["cell", "RSS / tune=False", "budgeted RSS", "overhead"]
+    memory.append("(budgeted - overhead) / budget")
+    missed = "; ".join(f"{k} ({v})" for k, v in over.items() if v) or "none"
+    return "\n\n".join(
+        [table(head, time_rows), table(memory, memory_rows), f"Over a target: {missed}."]
     )
 
 
-def _runs_used(results: dict[str, Any], families: Iterable[str] | None) -> dict[int, set[str]]:
-    """Run id -> the named grids whose cells (or a method kept from an earlier run) it measured."""
+def runs_page(results: Results) -> str:
+    """Which run measured which cells: date, commit, machine load, grids; the machine is a
+    sentence where every run had the same one, each run's source a list item under the table."""
     used: dict[int, set[str]] = {}
-    for c in results["cells"]:
-        if families is None or c.get("family") in families:
-            for run in {c.get("run")} | {r.get("run") for r in c.get("methods", {}).values()}:
-                if run is not None:  # a method kept from an earlier run names it
-                    used.setdefault(run, set()).add(c.get("family"))
-    return used
-
-
-def _run_facts(r: dict[str, Any], grids: set[str]) -> dict[str, str]:
-    env = r["env"]
-    load = [env.get(f"load_average_at_{k}") for k in ("start", "end")]
-    return {
-        "run": str(r["id"]),
-        "date": env.get("date_utc", "?")[:10],
-        "commit": (env.get("git_commit") or "?")[:7] + (" (dirty)" if env.get("git_dirty") else ""),
-        "machine": f"{env.get('device')}, {env.get('threads')} threads, torch {env.get('torch')}",
-        "load": " / ".join("-" if not x else f"{x[0]:.1f}" for x in load),
-        "grids": ", ".join(sorted(grids)),
-        "size": "quick" if r["config"].get("quick") else "full",
-        "source": r.get("source", "this grid") + busy(load, env.get("threads") or 1),
-    }
-
-
-def runs_table(results: dict[str, Any], families: Iterable[str] | None = None) -> str:
-    """Which run measured which cells: its date, commit, machine load, and its source (a run
-    converted from an earlier suite's file says so)."""
-    used = _runs_used(results, families)
-    keys = ["run", "date", "commit", "machine", "load", "grids", "size", "source"]
-    rows = [
-        [_run_facts(r, used[r["id"]])[k] for k in keys] for r in results["runs"] if r["id"] in used
-    ]
-    head = ["run", "date", "commit", "machine", "load start / end", "grids", "size", "source"]
-    return table(head, rows)
-
-
-def runs_page(results: dict[str, Any]) -> str:
-    """The benchmark page's runs: :func:`runs_table` narrowed to the page's column. The machine
-    is a sentence where every run had the same one, and each run's source (often a long line)
-    is a list item under the table."""
-    used = _runs_used(results, None)
-    facts = [_run_facts(r, used[r["id"]]) for r in results["runs"] if r["id"] in used]
+    for c in results["cells"]:  # a method kept from an earlier run names that run
+        for run in {c.get("run")} | {r.get("run") for r in c.get("methods", {}).values()}:
+            if run is not None:
+                used.setdefault(run, set()).add(c.get("family"))
+    facts = []
+    for r in (r for r in results["runs"] if r["id"] in used):
+        env = r["env"]
+        load = [env.get(f"load_average_at_{k}") for k in ("start", "end")]
+        commit = (env.get("git_commit") or "?")[:7] + " (dirty)" * bool(env.get("git_dirty"))
+        # a load average over the threads: other work shared the cores, times are noisy
+        peak, threads = max((x[0] for x in load if x), default=0.0), env.get("threads") or 1
+        busy = f"; loaded machine (load {peak:.1f} on {threads} threads): times noisy"
+        busy = busy if peak > threads else ""
+        facts.append(
+            {
+                "run": str(r["id"]),
+                "date": env.get("date_utc", "?")[:10],
+                "commit": commit,
+                "machine": f"{env.get('device')}, {env.get('threads')} threads, "
+                f"torch {env.get('torch')}",
+                "load start / end": " / ".join("-" if not x else f"{x[0]:.1f}" for x in load),
+                "grids": ", ".join(sorted(used[r["id"]])),
+                "size": "quick" if r["config"].get("quick") else "full",
+                "source": r.get("source", "this grid") + busy,
+            }
+        )
     machines = sorted({f["machine"] for f in facts})
-    keys = ["run", "date", "commit"] + (["machine"] if len(machines) > 1 else [])
-    keys += ["load", "grids", "size"]
-    heads = {"load": "load start / end"}
-    out = [table([heads.get(k, k) for k in keys], [[f[k] for k in keys] for f in facts])]
+    keys = ["run", "date", "commit"] + ["machine"] * (len(machines) > 1)
+    keys += ["load start / end", "grids", "size"]
+    out = [table(keys, [[f[k] for k in keys] for f in facts])]
     if len(machines) == 1:
         out.append(f"Every run: {machines[0]}.")
     out.append("\n".join(f"- Run {f['run']}: {f['source'].rstrip('.')}." for f in facts))
     return "\n\n".join(out)
-
-
-def readme_table(results: dict[str, Any]) -> str:
-    """README.md's performance table: times from the main grid's cell, memory from the batch
-    grid's cell of the same workload and model at the same batch size (the main grid may run
-    without memory), each row naming its runs."""
-
-    def both(main: dict[str, Any], batch: dict[str, Any], name: str | None) -> str:
-        t, m = method(main, name), method(batch, name)
-        mem = m.get("memory_ratio_to_train_step")
-        return f"{steps(t)} steps, {num(mem)}x its memory" if mem else f"{steps(t)} steps"
-
-    def today(r: dict[str, Any]) -> str:
-        if "seconds" in r:
-            return f"{steps(r)} steps, {mib(r.get('peak_memory_bytes'))}"
-        return why_not(r)
-
-    rows = []
-    for name, n, what in (
-        ("fisher/vgg11_bn_q", 128, "diagonal empirical Fisher, VGG-11-BN/4, N=128"),
-        ("fisher/resnet8", 128, "same, ResNet-8, N=128"),
-        ("jacnorm/cnn8", 128, "gradient of the Jacobian-norm regulariser, 8-layer CNN, n=128"),
-    ):
-        main, batch = cell(results, "main", name), cell(results, "batch", f"{name}@n={n}")
-        if not main.get("methods"):
-            continue
-        other = main.get("best_other")
-        vec = method(batch, "autograd_jacobian") or method(main, "autograd_jacobian")
-        runs = sorted({c["run"] for c in (main, batch) if c.get("run")})
-        rows.append(
-            [
-                what,
-                both(main, batch, "library_auto"),
-                f"`{other}` " + both(main, batch, other),
-                "`jacobian(vectorize=True)`: " + today(vec),
-                ", ".join(map(str, runs)),
-            ]
-        )
-    for c in cells(results, "laplace_torch"):
-        lib, lt = method(c, "library_auto"), method(c, "laplace_torch")
-        lt_mem = mib(lt.get("peak_memory_bytes")) if lt.get("peak_memory_bytes") else why_not(lt)
-        what = f"subnetwork Laplace fit, `{c['model']}`, B={c.get('N')}, {c.get('P')} entries"
-        runs = sorted({r.get("run", c.get("run")) for r in (lib, lt)})
-        rows.append(
-            [
-                what,
-                mib(lib.get("peak_memory_bytes")),
-                f"laplace-torch `SubnetLaplace`: {lt_mem}",
-                "-",
-                ", ".join(map(str, runs)),
-            ]
-        )
-    head = ["task", "library", "best other method", "the code users write today", "runs"]
-    return table(head, rows)
 
 
 #: how the pages name the benchmark grid's models
@@ -452,10 +295,10 @@ def _and(items: list[str]) -> str:
     return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)
 
 
-def guide_figures(results: dict[str, Any], workload: str, models: Iterable[str], what: str) -> str:
+def guide_figures(results: Results, workload: str, models: Iterable[str], what: str) -> str:
     """A guide's sentence: ``what`` in training steps per model (the main grid's cell, an idle
     run) and its peak memory against a training step's (the batch grid's cell at the same batch
-    size), each with its run, as README.md's table takes them."""
+    size), each with its run."""
     took, memory, runs, machine, batch = [], [], [set(), set()], "", None
     for m in models:
         main = cell(results, "main", f"{workload}/{m}")
@@ -485,17 +328,17 @@ def guide_figures(results: dict[str, Any], workload: str, models: Iterable[str],
     return text + "; the runs are listed on [the benchmark page](benchmarks.md#runs)."
 
 
-def _span(xs: list[float], fmt: str) -> str:
-    lo, hi = fmt.format(min(xs)), fmt.format(max(xs))
-    return lo if lo == hi else f"{lo} to {hi}"
-
-
-def ci_times(results: dict[str, Any]) -> str:
+def ci_times(results: Results) -> str:
     """``ci.json``: the suite's and the fast tier's times in the CI runs it holds (``.ci/run``
     prints a run's record, ``--ci-run``; the runs kept are clean clones on 2 cores)."""
     runs, last = results["runs"], results["runs"][-1]
-    suite = _span([r["suite"]["seconds"] / 60 for r in runs], "{:.1f}")
-    fast = _span([r["fast"]["seconds"] for r in runs], "{:.0f}")
+
+    def span(xs: list[float], fmt: str) -> str:
+        lo, hi = fmt.format(min(xs)), fmt.format(max(xs))
+        return lo if lo == hi else f"{lo} to {hi}"
+
+    suite = span([r["suite"]["seconds"] / 60 for r in runs], "{:.1f}")
+    fast = span([r["fast"]["seconds"] for r in runs], "{:.0f}")
     return (
         f"In CI (`bash .ci/run` on a clean clone, 2 CPU cores; "
         f"{len(runs)} run{'s' * (len(runs) > 1)}, the last at "
@@ -520,40 +363,39 @@ def ci_run(suite_log: str, fast_log: str) -> dict[str, Any]:
     return {"commit": commit, "date": date, "suite": summary(suite_log), "fast": summary(fast_log)}
 
 
-def laplace_diag_table(results: dict[str, Any]) -> str:
-    """``bench_laplace_diag.json`` (the former ``bench_laplace.py --diag``): seconds and
-    training steps against the mean of a training step timed before and after."""
-    rows = [["training step (mean of before and after)", secs(results["train_step_seconds"])]]
-    rows[0].append(num(1.0))
-    for name, r in results["methods"].items():
-        if name != "train_step":
-            rows.append([f"`{name}`", secs(r["seconds"]), steps(r)])
+def laplace_diag_table(results: Results) -> str:
+    """``bench_laplace_diag.json``: seconds and training steps against the mean of a training
+    step timed before and after."""
+    rows = [
+        ["training step (mean of before and after)", secs(results["train_step_seconds"]), "1.00"]
+    ]
+    rows += [
+        [f"`{name}`", secs(r["seconds"]), steps(r)]
+        for name, r in results["methods"].items()
+        if name != "train_step"
+    ]
     return table(["method", "s", "x step"], rows)
 
 
-def packing_table(results: dict[str, Any]) -> str:
-    """``bench_multires.json``'s ``map_levels`` part (the former ``bench_multires.py``): the
-    work and the times of each packing; stacking every level is computed, not run."""
-    m = results["map_levels"]
-    work, times = m["work_ratio"], m["packings"]
+def packing_table(results: Results) -> str:
+    """``bench_multires.json``'s ``map_levels`` part: the work and the times of each packing;
+    stacking every level is computed, not run."""
+    work, times = results["map_levels"]["work_ratio"], results["map_levels"]["packings"]
     names = {
         "canvas": "canvas (gutter 2)",
         "loop": "per-level loop",
         "stack_padded_to_largest": "stack every level padded to the largest (computed, not run)",
     }
-    rows = []
-    for key, label in names.items():
-        t = times.get(key, {})
-        rows.append(
-            [label, num(work.get(key))]
-            + [secs(t.get(k)) for k in ("forward", "train_step", "jacobian")]
-        )
+    rows = [
+        [label, num(work.get(key))]
+        + [secs(times.get(key, {}).get(k)) for k in ("forward", "train_step", "jacobian")]
+        for key, label in names.items()
+    ]
     head = ["packing", "work / useful", "forward s", "training step s", "per-sample Jacobian s"]
     return table(head, rows)
 
 
-#: the published blocks: name -> markdown from the results
-def rows_table(results: dict[str, Any], grid: str) -> str:
+def rows_table(results: Results, grid: str) -> str:
     """``bench_rows.py``'s table for ``grid`` (``speed``, ``loop``) and what produced it."""
     r = results[grid]
     env = r["env"]
@@ -568,18 +410,17 @@ def rows_table(results: dict[str, Any], grid: str) -> str:
     return f"{r['table'].rstrip()}\n\n({stamp})\n"
 
 
-FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
-    "readme": readme_table,
+#: the published blocks: name -> markdown from the results
+FIGURES: dict[str, Callable[[Results], str]] = {
     "runs": runs_page,
     "main": lambda r: main_table(r, routes=False),
     "choice": choice_table,
     "choice-error": estimate_error_table,
-    "batch-fisher": lambda r: measured("batch")(methods_table)(r, "batch", "n", "fisher"),
-    "batch-jacnorm": lambda r: measured("batch")(methods_table)(r, "batch", "n", "jacnorm"),
-    "entries": lambda r: measured("entries")(methods_table)(r, "entries", "k"),
-    "dense": dense_table,
-    "laplace-torch": laplace_torch_table,
-    "first-call": first_call_table,
+    "batch-fisher": lambda r: measured("batch", methods_table)(r, "batch", "n", "fisher"),
+    "batch-jacnorm": lambda r: measured("batch", methods_table)(r, "batch", "n", "jacnorm"),
+    "dense": measured("dense", dense_table),
+    "laplace-torch": measured("laplace_torch", laplace_torch_table),
+    "first-call": measured("first_call", first_call_table),
     "guide-fisher": lambda r: guide_figures(
         r, "fisher", ("vgg11_bn_q", "resnet8"), "`diag_fisher`"
     ),
@@ -593,11 +434,11 @@ FIGURES: dict[str, Callable[[dict[str, Any]], str]] = {
     "rows-loop": lambda r: rows_table(r, "loop"),
 }
 #: the report's section per named grid
-SECTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
+SECTIONS: dict[str, Callable[[Results], str]] = {
     "main": lambda r: main_table(r, "main", notes=True),
     "choice": lambda r: choice_table(r) + "\n\n" + estimate_error_table(r),
     "batch": lambda r: methods_table(r, "batch", "n"),
-    "entries": FIGURES["entries"],
+    "entries": lambda r: methods_table(r, "entries", "k"),
     "dense": dense_table,
     "laplace_torch": laplace_torch_table,
     "first_call": first_call_table,
@@ -605,6 +446,11 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 # ---------------------------------------------------------------------- plots
+#: the plots' width in inches: the docs' content column (about 690 pixels at a 1400-pixel
+#: window) shows them at about their size, so a point of text is about a point on the page
+WIDTH, DPI = 7.0, 200
+
+
 def _plt() -> Any:
     try:
         import matplotlib
@@ -613,74 +459,75 @@ def _plt() -> Any:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    plt.rcParams.update({"font.size": 9, "axes.titlesize": 10, "legend.fontsize": 8.5})
     return plt
 
 
-def plot_main(results: dict[str, Any], path: Path) -> Path | None:
-    """auto / best other (green <= 1, red > 1) and auto / best forced route per main cell."""
+def plot_main(results: Results, path: Path) -> Path | None:
+    """auto / the best other method per main cell: a bar a cell, green where auto is faster."""
     plt, cs = _plt(), [c for c in cells(results, "main") if c.get("library_over_best_other")]
     if plt is None or not cs:
         return None
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(cs)), 5))
-    x = range(len(cs))
-    lob = [c["library_over_best_other"] for c in cs]
-    aor = [c.get("auto_over_best_route") or float("nan") for c in cs]
-    colors = ["tab:green" if v <= 1 else "tab:red" for v in lob]
-    ax.bar([i - 0.2 for i in x], lob, width=0.4, color=colors, label="auto / best other method")
-    ax.bar(
-        [i + 0.2 for i in x],
-        aor,
-        width=0.4,
-        color="tab:gray",
-        alpha=0.6,
-        label="auto / best forced route",
-    )
-    ax.axhline(1.0, color="black", linewidth=1)
-    ax.set_yscale("log")
-    ax.set_xticks(list(x), [c["name"] for c in cs], rotation=90, fontsize=7)
-    ax.set_ylabel("time ratio (log; < 1: the library is faster)")
-    ax.legend(fontsize=8)
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(WIDTH, max(2.5, 1.2 + 0.2 * len(cs))), layout="constrained")
+    ratios = [c["library_over_best_other"] for c in cs]
+    colors = ["tab:green" if v <= 1 else "tab:red" for v in ratios]
+    bars = ax.barh(range(len(cs)), ratios, color=colors, height=0.7)
+    ax.bar_label(bars, [f"{v:.2f}" for v in ratios], padding=2, fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=1, zorder=0)
+    ax.set_xscale("log")
+    ticks = [t for t in (0.05, 0.1, 0.2, 0.5, 1, 2, 5) if min(ratios) / 2 < t < max(ratios) * 2]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_xlim(min(ratios) / 1.5, max(max(ratios), 1) * 1.6)
+    ax.set_yticks(range(len(cs)), [c["name"] for c in cs], fontsize=9)
+    ax.set_ylim(len(cs) - 0.5, -0.5)
+    ax.set_xlabel("auto's time / the fastest other method's (log scale; < 1: auto is faster)")
+    faster, slower = ("auto faster (ratio <= 1)", "tab:green"), ("auto slower (> 1)", "tab:red")
+    handles = [Patch(color=c, label=t) for t, c in (faster, slower)]
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1), ncol=2, frameon=False)
     return _save(fig, plt, path)
 
 
-def plot_sweep(results: dict[str, Any], family: str, param: str, path: Path) -> Path | None:
-    """Seconds and peak memory against the swept parameter, a line per cell and method."""
-    plt, cs = _plt(), cells(results, family)
-    if plt is None or not cs:
-        return None
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    lines: dict[tuple[str, str], list[tuple[float, float | None, float | None]]] = {}
-    for c in cs:
+def plot_sweep(results: Results, family: str, param: str, path: Path) -> Path | None:
+    """Seconds and peak memory against the swept parameter, a line per cell and method that
+    was measured at two values or more (a single point answers nothing: no plot then)."""
+    lines: dict[str, list[tuple[float, float, float | None]]] = {}
+    for c in cells(results, family):
         for name, r in c.get("methods", {}).items():
             if "seconds" in r:
-                key = (c["name"].split("@")[0], name)
-                lines.setdefault(key, []).append(
-                    (c.get(param), r["seconds"], r.get("peak_memory_bytes"))
-                )
-    for (base, name), pts in sorted(lines.items()):
-        pts.sort()
-        a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{base} {name}")
+                pts = lines.setdefault(f"{c['name'].split('@')[0]} {name}", [])
+                pts.append((c.get(param), r["seconds"], r.get("peak_memory_bytes")))
+    lines = {k: sorted(v) for k, v in sorted(lines.items()) if len({p[0] for p in v}) > 1}
+    plt = _plt()
+    if plt is None or not lines:
+        return None
+    size = (WIDTH, 3.2 + 0.18 * len(lines))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=size, layout="constrained")
+    for label, pts in lines.items():
+        (line,) = a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         mem = [(p[0], p[2] / MIB) for p in pts if p[2]]
         if mem:
-            a2.plot(*zip(*mem), marker="o")
+            a2.plot(*zip(*mem), marker="o", color=line.get_color())
+    xs = sorted({p[0] for pts in lines.values() for p in pts})
     for ax, ylab in ((a1, "seconds"), (a2, "peak MiB")):
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        ax.set(xscale="log", yscale="log", ylabel=ylab)
+        ax.set_xticks(xs, [str(x) for x in xs], minor=False)
+        ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
         ax.set_xlabel("batch size" if param == "N" else "entries")
-        ax.set_ylabel(ylab)
-    if lines:
-        a1.legend(fontsize=6)
+    fig.legend(loc="outside lower center", ncol=2, frameon=False)
     return _save(fig, plt, path)
 
 
 def _save(fig: Any, plt: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
 
 
-def plots(results: dict[str, Any], out: Path, stem: str) -> list[Path]:
+def plots(results: Results, out: Path, stem: str) -> list[Path]:
+    for old in out.glob(f"{stem}_*.png"):
+        old.unlink()
     made = [
         plot_main(results, out / f"{stem}_main.png"),
         plot_sweep(results, "batch", "N", out / f"{stem}_batch.png"),
@@ -691,43 +538,44 @@ def plots(results: dict[str, Any], out: Path, stem: str) -> list[Path]:
 
 # ---------------------------------------------------------------------- outputs
 def cell_table(c: dict[str, Any]) -> str:
-    rows = []
+    """A cell's every method; each method's note (why it did not run) in a list below."""
+    rows, notes = [], {}
     for name, r in c.get("methods", {}).items():
-        note = r.get("skipped") or r.get("error") or r.get("check_error") or ""
+        note = str(r.get("skipped") or r.get("error") or r.get("check_error") or "")
         if "seconds" in r and r.get("kind") != "train" and not r.get("valid"):
-            note = "INVALID " + str(note)
-        rows.append(
-            [
-                name,
-                secs(r.get("seconds")),
-                steps(r),
-                secs(r.get("first_call_seconds")),
-                mib(r.get("peak_memory_bytes")),
-                "-" if r.get("checked") is None else f"{r['checked']:.1e}",
-                str(note)[:100],
-            ]
-        )
-    return table(["method", "s", "x step", "first call s", "peak memory", "checked", "note"], rows)
+            note = "INVALID " + note
+        notes[name] = note
+        checked = "-" if r.get("checked") is None else f"{r['checked']:.1e}"
+        row = [name, secs(r.get("seconds")), steps(r), secs(r.get("first_call_seconds"))]
+        rows.append([*row, mib(r.get("peak_memory_bytes")), checked])
+    out = table(["method", "s", "x step", "first call s", "peak memory", "checked"], rows)
+    return out + ("\n\n" + bullets(notes, 160) if any(notes.values()) else "")
 
 
-def render_all(results: dict[str, Any], images: list[Path] = ()) -> str:
-    """Every family's table and every cell's methods (``<stem>.md``, the CLI's report)."""
-    out = ["# Benchmark grid", "", runs_table(results), ""]
-    out += [f"![{p.stem}]({p.name})" for p in images] + [""]
-    present = {c.get("family") for c in results["cells"]}
+def render_all(results: Results, images: Iterable[Path] = ()) -> str:
+    """The runs, a section per named grid (its plot, its table) and every cell's methods, a
+    collapsed block per named grid (``<stem>.md``, the CLI's report)."""
+    out = ["# Benchmark grid", "", runs_page(results), ""]
+    present, images = [c.get("family") for c in results["cells"]], list(images)
     for fam, section in SECTIONS.items():
         if fam in present:
-            out += [f"## {fam}", "", section(results), ""]
-    for c in results["cells"]:
-        if c.get("methods"):
-            head = (
-                f"### {c['family']}: {c['name']} (N={c.get('N')}, O={c.get('O')}, P={c.get('P')})"
-            )
-            out += [head, "", cell_table(c), ""]
+            pics = [f"![{p.stem}]({p.name})" for p in images if p.stem.endswith("_" + fam)]
+            out += [f"## {fam}", "", *pics, "", section(results), ""]
+    out += ["## Every method of every cell", ""]
+    for fam in dict.fromkeys(present):
+        cs = [c for c in cells(results, fam) if c.get("methods")]
+        if not cs:
+            continue
+        summary = f"<summary>{fam}: {len(cs)} cell{'s' * (len(cs) > 1)}</summary>"
+        out += ["<details markdown>", summary, ""]
+        for c in cs:
+            size = ", ".join(f"{k}={c.get(k)}" for k in ("N", "O", "P"))
+            out += [f"**{c['name']}** ({size})", "", cell_table(c), ""]
+        out += ["</details>", ""]
     return "\n".join(out)
 
 
-def write_outputs(results: dict[str, Any], out: Path, stem: str) -> int:
+def write_outputs(results: Results, out: Path, stem: str) -> int:
     """``<stem>.md`` and the plots in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     images = plots(results, out, stem)
@@ -736,14 +584,13 @@ def write_outputs(results: dict[str, Any], out: Path, stem: str) -> int:
     return 0
 
 
-def report_text(results: dict[str, Any], images: list[Path] = ()) -> str:
+def report_text(results: Results, images: Iterable[Path] = ()) -> str:
     """The text of the report's ``report.md`` (docs/report/report.md is this, whole)."""
-    return render_all(results, images).replace(
-        "# Benchmark grid", "# multiscale_jac benchmark report", 1
-    )
+    text = render_all(results, images)
+    return text.replace("# Benchmark grid", "# multiscale_jac benchmark report", 1)
 
 
-def write_report(results: dict[str, Any], out: Path) -> None:
+def write_report(results: Results, out: Path) -> None:
     """``multiscale-jac bench``'s report: ``report.md``, ``results.json`` and the plots."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.png"):
@@ -806,6 +653,9 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--ci-run"]:
         print(json.dumps(ci_run(*sys.argv[2:4]), indent=1))
         sys.exit(0)
+    if sys.argv[1:2] == ["--outputs"]:
+        path = Path(sys.argv[2])
+        sys.exit(write_outputs(json.loads(path.read_text()), path.parent, path.stem))
     if "--check" in sys.argv:
         stale = stale_blocks()
         print("\n".join(stale) or "every block matches its results file")

@@ -101,7 +101,7 @@ def test_tables_state_units_and_runs() -> None:
     lt = render.laplace_torch_table(r)
     assert "| laplace/c@n=32,k=100 | laplace_torch | - | 6.66 GiB | 1 |" in lt  # MiB -> GiB
     assert "| laplace/c@n=32,k=100 | library_auto | 0.50 | 138 MiB | 2 |" in lt
-    runs = render.runs_table(r)
+    runs = render.runs_page(r)
     assert "| 1 | 2026-01-01 | abc1234 |" in runs and "converted" in runs and "| quick |" in runs
 
 
@@ -115,7 +115,7 @@ def test_report_from_the_results_file(tmp_path: Path) -> None:
     driver.write_report(raw, out, ["main", "batch"], quick=False)
     report = (out / "report.md").read_text()
     assert "## main" in report and "## batch" in report and "## laplace_torch" not in report
-    assert "### main: fisher/m" in report
+    assert "<summary>main: 1 cell</summary>" in report and "**fisher/m** (N=None" in report
     assert not (out / "stale.png").exists()
     results = json.loads((out / "results.json").read_text())
     assert {c["family"] for c in results["cells"]} == {"main", "batch"}

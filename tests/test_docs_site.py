@@ -284,6 +284,15 @@ def test_lists_render_as_lists(site: Path, pages: dict[Path, _Page]) -> None:
 
 
 @pytest.mark.slow
+def test_the_site_is_built_with_the_pinned_theme(site: Path) -> None:
+    """pyproject.toml pins the theme to a release that builds without printing a notice; the
+    site names the release that built it."""
+    (pin,) = re.findall(r'"mkdocs-material==([\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    html = (site / "index.html").read_text(encoding="utf-8")
+    assert f"mkdocs-material-{pin}" in html, re.findall(r'generator" content="[^"]*"', html)
+
+
+@pytest.mark.slow
 def test_landing_page_states_the_package_version(site: Path) -> None:
     page = _Page()
     page.feed((site / "index.html").read_text(encoding="utf-8"))

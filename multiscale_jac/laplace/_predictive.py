@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_bool, check_generator, check_positive_int
-from .._memory import DEFAULT_JACOBIAN_BYTES
+from .._memory import DEFAULT_JACOBIAN_BYTES, tensor_bytes
 from .._stream import raw_output
 from ..adapter import check_model_kwargs
 from ..enums import Likelihood, LinkApprox, PredType, parse_enum
@@ -189,12 +189,12 @@ class Predictive:
         for block in blocks:
             if block.jac is None:  # pragma: no cover - predictive blocks always carry rows
                 raise RuntimeError("internal error: a predictive block without Jacobian rows")
-            row = block.jac.shape[1] * block.jac.element_size()
-            if group and (size + block.jac.shape[0]) * row > cap:
+            rows, p = block.jac.shape
+            if group and tensor_bytes((size + rows) * p, block.jac.element_size()) > cap:
                 yield from self._whiten_group(group)
                 group, size = [], 0
             group.append(block)
-            size += block.jac.shape[0]
+            size += rows
         if group:
             yield from self._whiten_group(group)
 
