@@ -540,12 +540,13 @@ class LaplaceBase(LaplaceCalls):
             sigma_noise=sigma_noise,
             temperature=temperature,
         )
-        self._prep, self._options, self._form = prep, options, parts.form
+        self._prep, self._options = prep, options
         self._rows = JacobianRows(name, prep, options, theta, self._posterior.kept_bytes())
         self._curvature = parts.curvature(self._rows)
-        which = None if subset_of_weights is None else subset_of_weights
         self._which = (
-            None if which is None else parse_enum(SubsetOfWeights, which, "subset_of_weights")
+            None
+            if subset_of_weights is None
+            else parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
         )
         full = model if self._which is SubsetOfWeights.SUBNETWORK else None
         self._predictive = Predictive(self._rows, self._posterior, options, full)
@@ -626,7 +627,7 @@ class LaplaceBase(LaplaceCalls):
     @property
     def form(self) -> PosteriorForm:
         """The structure of ``P_post``."""
-        return self._form
+        return self._posterior.form
 
     @property
     def options(self) -> LaplaceOptions:

@@ -125,6 +125,11 @@ class Posterior:
         return self._subset
 
     @property
+    def form(self) -> PosteriorForm:
+        """The structure of ``P_post``."""
+        return self._form
+
+    @property
     def prior(self) -> Prior:
         """The prior (change it through :meth:`set_prior_precision`, :meth:`set_prior_mean`)."""
         return self._prior
