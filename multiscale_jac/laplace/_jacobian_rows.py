@@ -383,9 +383,11 @@ class JacobianRows:
                 if len(self._shapes) >= _KEPT_SHAPES:
                     self._shapes.clear()
                 self._shapes[bucket.signature] = shape
-                for k, i in enumerate(idx):
-                    rows = block_rows(flat[k], shape, cls)
-                    blocks[i] = Block(i, rows, jac[k], (0, rows.shape[-1]), shape)
+                # unbind: one backward node for the chunk (indexing adds one per sample,
+                # each writing a zero-filled chunk-sized gradient)
+                for i, f, j in zip(idx, flat.unbind(0), jac.unbind(0), strict=True):
+                    rows = block_rows(f, shape, cls)
+                    blocks[i] = Block(i, rows, j, (0, rows.shape[-1]), shape)
                 while next_i in blocks:
                     yield blocks.pop(next_i)
                     next_i += 1

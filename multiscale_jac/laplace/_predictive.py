@@ -171,16 +171,25 @@ class Predictive:
         packed = self._rows.pack(self.inputs(inputs))
         means: list[Tensor] = []
         rows: list[Tensor] = []
-        for block, v in self._whitened(self._rows.blocks(inputs, packed, self._post.likelihood)):
-            means.append(block.out.reshape(-1))
+        blocks = self._rows.blocks(inputs, packed, self._post.likelihood)
+        for group, v in self._groups(blocks):  # whole groups: no per-sample slices to join
+            means.extend(b.out.reshape(-1) for b in group)
             rows.append(v)
-        v = torch.cat(rows, dim=1)  # (P, N O): the whole batch's rows
+        v = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)  # (P, N O): the batch's rows
         self._rows.warn_fallbacks()
         return torch.cat(means), v.T @ v
 
     def _whitened(self, blocks: Iterable[Block]) -> Iterator[tuple[Block, Tensor]]:
-        """Every block with its whitened rows ``V`` ``(P, rows)``, blocks whitened together
-        while their rows fit the default bytes of Jacobian rows (one call of the form for many
+        """Every block with its whitened rows ``V`` ``(P, rows)`` (see :meth:`_groups`)."""
+        for group, v in self._groups(blocks):
+            # split: one backward node per group (a slice per block adds one each, every one
+            # writing a zero-filled group-sized gradient)
+            sizes = [b.jac.shape[0] for b in group]  # type: ignore[union-attr]
+            yield from zip(group, v.split(sizes, dim=1), strict=True)
+
+    def _groups(self, blocks: Iterable[Block]) -> Iterator[tuple[list[Block], Tensor]]:
+        """Blocks whitened together, with their rows ``V`` ``(P, rows of the group)``, while
+        their rows fit the default bytes of Jacobian rows (one call of the form for many
         small blocks; one block at a time under a ``memory_budget``). The joint and the
         marginal predictive group alike, so their variances agree to round-off."""
         cap = 0 if self._options.memory_budget is not None else DEFAULT_JACOBIAN_BYTES
@@ -191,20 +200,16 @@ class Predictive:
                 raise RuntimeError("internal error: a predictive block without Jacobian rows")
             rows, p = block.jac.shape
             if group and tensor_bytes((size + rows) * p, block.jac.element_size()) > cap:
-                yield from self._whiten_group(group)
+                yield group, self._whiten(group)
                 group, size = [], 0
             group.append(block)
             size += rows
         if group:
-            yield from self._whiten_group(group)
+            yield group, self._whiten(group)
 
-    def _whiten_group(self, group: list[Block]) -> Iterator[tuple[Block, Tensor]]:
-        v = self._post.whiten(torch.cat([b.jac for b in group]))  # type: ignore[misc]
-        start = 0
-        for b in group:
-            rows = b.jac.shape[0]  # type: ignore[union-attr]
-            yield b, v[:, start : start + rows]
-            start += rows
+    def _whiten(self, group: list[Block]) -> Tensor:
+        jacs = [b.jac for b in group]
+        return self._post.whiten(jacs[0] if len(jacs) == 1 else torch.cat(jacs))  # type: ignore
 
     def _call(
         self,
