@@ -457,3 +457,47 @@ def test_bad_use() -> None:
     reg = mj.SubnetLaplace(model, "regression", "net.2.*")
     with pytest.raises(ValueError, match="regression target has 2 entries, the output 3"):
         reg.fit([(x, torch.zeros(3, 2, dtype=DTYPE))], progress=False)
+
+
+# ---------------------------------------------------------------------- last layer by default
+class _HeadFirst(torch.nn.Module):
+    """Registers its head before its body: the last nn.Linear registered runs first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(8, 2)
+        self.body = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "kron"])
+def test_last_layer_without_a_name_is_checked_by_the_first_batch(structure: str) -> None:
+    """Without ``last_layer_name`` the last nn.Linear registered is taken; ``fit`` checks on
+    its first batch that it runs last (a head registered first is refused, naming both
+    modules) and leaves no hook; ``mean`` and ``H`` are ``None`` until then (laplace-torch)."""
+    from multiscale_jac.laplace import Laplace
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 3), torch.randint(2, (6,))
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    la = Laplace(plain, "classification", subset_of_weights="last_layer",
+                 hessian_structure=structure)  # fmt: skip
+    assert la.mean is None and la.H is None
+    la.fit([(x[:4], y[:4]), (x[4:], y[4:])])
+    assert la.mean.shape == (18,) and la.H is not None
+    named = Laplace(plain, "classification", subset_of_weights="last_layer",
+                    hessian_structure=structure, last_layer_name="2")  # fmt: skip
+    assert la.log_marginal_likelihood().item() == pytest.approx(
+        named.fit([(x[:4], y[:4]), (x[4:], y[4:])]).log_marginal_likelihood().item()
+    )
+    model = _HeadFirst()
+    wrong = Laplace(model, "classification", subset_of_weights="last_layer",
+                    hessian_structure=structure)  # fmt: skip
+    with pytest.raises(ValueError, match=r"took 'body.0'.*ran before 'head'.*last_layer_name"):
+        wrong.fit([(x, y)])
+    assert all(not m._forward_hooks for m in model.modules())
+    right = Laplace(model, "classification", subset_of_weights="last_layer",
+                    hessian_structure=structure, last_layer_name="head")  # fmt: skip
+    assert right.fit([(x, y)]).mean.shape == (18,)

@@ -44,6 +44,7 @@ from ._batches import DictPairs
 from ._fit import Curvature
 from ._forms import PosteriorForm
 from ._jacobian_rows import JacobianRows
+from ._last_layer import check_last_layer
 from ._options import LaplaceOptions
 from ._posterior import Posterior
 from ._predictive import GLMPredictive, Predictive
@@ -379,6 +380,8 @@ class LaplaceCalls:
         """The curvature in the form's layout: ``(P, P)``, ``(P,)`` or Kronecker factors; zeros
         before :meth:`fit`, as laplace-torch's (the posterior is then the prior)."""
         h = self._posterior.h
+        if h is None and self._unchecked_last_layer is not None:
+            return None
         return self._curvature.zeros(self._posterior.map) if h is None else h
 
     def _init_H(self) -> None:
@@ -392,7 +395,11 @@ class LaplaceCalls:
 
     @property
     def mean(self) -> Tensor:
-        """The posterior's mean ``(P,)``: the prior mean before :meth:`fit`, the MAP after."""
+        """The posterior's mean ``(P,)``: the prior mean before :meth:`fit`, the MAP after
+        (``None`` before the fit of a last layer found without ``last_layer_name``, as
+        laplace-torch's)."""
+        if self._posterior.h is None and self._unchecked_last_layer is not None:
+            return None  # type: ignore[return-value]
         return self._posterior.mean
 
     @property
@@ -550,6 +557,24 @@ class LaplaceBase(LaplaceCalls):
         )
         full = model if self._which is SubsetOfWeights.SUBNETWORK else None
         self._predictive = Predictive(self._rows, self._posterior, options, full)
+        self._unchecked_last_layer: str | None = None
+
+    def _check_last_layer_at_fit(self, name: str) -> None:
+        """The front door's last layer found without ``last_layer_name``: :meth:`fit` checks
+        on its first batch that module ``name`` runs last; until the fit, ``mean`` and ``H``
+        are ``None``, as laplace-torch's (it finds the last layer by that forward)."""
+        self._unchecked_last_layer = name
+
+    def _first_batch(self, x: Any) -> None:
+        name = self._unchecked_last_layer
+        if name is None:
+            return
+        packed = self._rows.pack(x)
+        levels = packed.stack([0])
+        fn = self._rows.function(packed)
+        with torch.no_grad():
+            check_last_layer(self._prep.model, name, lambda: fn.call_batch(levels))
+        self._unchecked_last_layer = None
 
     def _parts(self, prep: Prepared, options: LaplaceOptions, theta: Tensor) -> Parts:
         """The class's form and curvature (each Laplace class defines it)."""
@@ -593,7 +618,8 @@ class LaplaceBase(LaplaceCalls):
         """
         show = check_bool(progress, "progress") | check_bool(progress_bar, "progress_bar")
         override = check_bool(override, "override")
-        data = DictPairs(train_loader, self._options.dict_key_x, self._options.dict_key_y)
+        keys = (self._options.dict_key_x, self._options.dict_key_y)
+        data = DictPairs(train_loader, *keys, first=self._first_batch)
         with self._posterior.fitting():
             fit = self._curvature.fit(
                 data,

@@ -30,6 +30,7 @@ from ..subset import ParamSubset
 from ._base import LaplaceBase
 from ._diag import DiagLaplace
 from ._kronlaplace import KronLaplace
+from ._last_layer import default_last_layer
 from ._subnet import SubnetLaplace
 
 __all__ = ["CLASS_OPTIONS", "Laplace"]
@@ -132,7 +133,10 @@ def Laplace(
     )
     given = locals()
     options = {k: given[k] for k in CLASS_OPTIONS}
-    return cls(model, likelihood, subset, **options, subset_of_weights=which)
+    la = cls(model, likelihood, subset, **options, subset_of_weights=which)
+    if which is SubsetOfWeights.LAST_LAYER and last_layer_name is None:
+        la._check_last_layer_at_fit(default_last_layer(model)[0])
+    return la
 
 
 def _chosen(
@@ -262,7 +266,7 @@ def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -
             )
         if which is SubsetOfWeights.ALL:
             return ParamSubset.all(model, trainable_only=True)
-        return _last_layer(model)
+        return default_last_layer(model)[1]
     if indices is None:
         raise ArgumentTypeError(  # a missing argument: TypeError, as laplace-torch
             "subset_of_weights='subnetwork' needs subnetwork_indices: a 1-d LongTensor of "
@@ -289,16 +293,3 @@ def _subset_of_weights(model: nn.Module, which: SubsetOfWeights, indices: Any) -
         # a wrong dtype: a TypeError and, as laplace-torch raises, a ValueError
         cls = ArgumentTypeError if isinstance(err, TypeError) else ValueError
         raise cls(f"subnetwork_indices: {err}") from None
-
-
-def _last_layer(model: nn.Module) -> ParamSubset:
-    """The weight and bias of the last ``nn.Linear`` (registration order); without one, every
-    parameter of the last module that owns parameters."""
-    last = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            last = name
-    if last is None:
-        return ParamSubset.last_layer(model)
-    owned = [n for n, _ in model.get_submodule(last).named_parameters(recurse=False)]
-    return ParamSubset.from_names(model, [f"{last}.{n}" if last else n for n in owned])
