@@ -25,6 +25,7 @@ __all__ = [
     "CACHE_BYTES",
     "CPU_TENSOR_BYTES",
     "DEFAULT_JACOBIAN_BYTES",
+    "GP_CONTEXT_BYTES",
     "DEFAULT_TEMP_BYTES",
     "DEFAULT_WORKSET_BYTES",
     "JACNORM_LAYERWISE_BYTES",
@@ -85,6 +86,10 @@ CACHE_BYTES = 4 * 2**20
 #: the Laplace fits' default bytes for the Jacobian rows held at once (per chunk of samples or
 #: output positions); the prior search's default budget is four times it
 DEFAULT_JACOBIAN_BYTES = 32 * 2**20
+#: the GP Laplace's default bytes for its context's Jacobians ``(M, O, P)`` kept between its
+#: calls (above it, or above a ``memory_budget``, they are recomputed a chunk at a time for every
+#: kernel block and every predictive call, as laplace-torch does for every batch)
+GP_CONTEXT_BYTES = 2**30
 #: ``jacobian_sq_norm``: per-sample gradients a layer-wise chunk keeps in its graph, at most
 #: (its default chunk size)
 JACNORM_LAYERWISE_BYTES = 16 * 2**20

@@ -280,12 +280,14 @@ class SubsetOfWeights(_StrEnum):
 
 
 class HessianStructure(_StrEnum):
-    """The structure of the curvature: ``full`` (``P x P``), ``diag`` (``(P,)``) or ``kron``
-    (Kronecker factors per Linear/Conv tensor, K-FAC)."""
+    """The structure of the curvature: ``full`` (``P x P``), ``diag`` (``(P,)``), ``kron``
+    (Kronecker factors per Linear/Conv tensor, K-FAC) or ``gp`` (function space: the kernel
+    ``J J^T`` of a context of training samples, laplace-torch's ``FunctionalLaplace``)."""
 
     FULL = "full"
     DIAG = "diag"
     KRON = "kron"
+    GP = "gp"
 
 
 class PredType(_StrEnum):

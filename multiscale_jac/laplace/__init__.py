@@ -49,15 +49,21 @@ held by :class:`LaplaceBase` (composition: no class has more than one base here)
   ``_kronlaplace``: :class:`SubnetLaplace`, :class:`DiagLaplace` and :class:`KronLaplace`,
   each naming its form and curvature;
 * ``_frontdoor``: laplace-torch's ``Laplace()`` and its option translation;
+* ``_gp``, ``_gp_context``, ``_gp_kernel``: :class:`GPLaplace` (``hessian_structure="gp"``,
+  laplace-torch's ``FunctionalLaplace``): the neural tangent kernel of a context of training
+  samples, the context's Jacobians kept or streamed, the GP algebra;
 * ``_masks``: laplace-torch's subnetwork masks (``LargestMagnitudeSubnetMask`` ...);
 * ``_marglik_training``: laplace-torch's ``marglik_training`` (on a copy of the model).
 """
 
 from __future__ import annotations
 
+import abc
+
 from ._base import LaplaceBase
 from ._diag import DiagLaplace
 from ._frontdoor import Laplace
+from ._gp import GPLaplace
 from ._kronlaplace import KronLaplace
 from ._marglik_training import marglik_training
 from ._masks import (
@@ -75,14 +81,26 @@ from ._options import LaplaceOptions
 from ._predictive import GLMPredictive
 from ._subnet import SubnetLaplace
 
-#: laplace-torch's base classes, for ``isinstance`` and type hints: every posterior here is
-#: parametric (a Gaussian over weights), so both name the one base
-BaseLaplace = ParametricLaplace = LaplaceBase
+#: laplace-torch's parametric base (a Gaussian over weights), for ``isinstance`` and hints
+ParametricLaplace = LaplaceBase
+
+
+class BaseLaplace(abc.ABC):  # noqa: B024 - an isinstance target, nothing to implement
+    """laplace-torch's ``BaseLaplace`` for ``isinstance``: every posterior here, parametric
+    (:class:`LaplaceBase`) or in function space (:class:`GPLaplace`)."""
+
+
+BaseLaplace.register(LaplaceBase)
+BaseLaplace.register(GPLaplace)
+#: laplace-torch's name of :class:`GPLaplace`
+FunctionalLaplace = GPLaplace
 
 __all__ = [
     "BaseLaplace",
     "DiagLaplace",
+    "FunctionalLaplace",
     "GLMPredictive",
+    "GPLaplace",
     "KronLaplace",
     "Laplace",
     "LaplaceBase",

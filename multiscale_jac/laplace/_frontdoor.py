@@ -29,6 +29,7 @@ from ..enums import (
 from ..subset import ParamSubset
 from ._base import LaplaceBase
 from ._diag import DiagLaplace
+from ._gp import GPLaplace
 from ._kronlaplace import KronLaplace
 from ._last_layer import default_last_layer
 from ._subnet import SubnetLaplace
@@ -76,47 +77,42 @@ def Laplace(
     backend: Any = None,
     backend_kwargs: dict[str, Any] | None = None,
     asdl_fisher_kwargs: dict[str, Any] | None = None,
+    n_subset: int | None = None,
+    independent_outputs: bool = False,
+    seed: int = 0,
     **unsupported: Any,
-) -> SubnetLaplace | DiagLaplace | KronLaplace:
-    """laplace-torch's ``Laplace``: the approximation chosen by two strings.
+) -> SubnetLaplace | DiagLaplace | KronLaplace | GPLaplace:
+    """laplace-torch's ``Laplace``: the approximation chosen by two strings: over
+    ``subnetwork_indices``, the ``"last_layer"`` (default) or ``"all"`` weights,
+    :class:`KronLaplace` (``"kron"``, the default; not on a subnetwork), :class:`SubnetLaplace`
+    (``"full"``: ``P x P``), :class:`DiagLaplace` (``"diag"``) or :class:`GPLaplace` (``"gp"``).
 
-    - ``subset_of_weights="subnetwork"``: :class:`SubnetLaplace` over ``subnetwork_indices``
-      (``hessian_structure="full"``), :class:`DiagLaplace` over them (``"diag"``);
-    - ``"last_layer"`` (default) and ``"all"``: over the last layer or every weight,
-      :class:`KronLaplace` (``"kron"``, the default, as laplace-torch), :class:`SubnetLaplace`
-      (``"full"``: ``P x P``, small models only) or :class:`DiagLaplace` (``"diag"``).
-
-    The classes' options (``hessian``, ``output_fn``, ``ignore_index``, ``input_kind``,
-    ``chunk_size``, ``memory_budget``, ``randomness``, ``batch_norm``, ``strict``, ``entries``,
-    ``mode``, ``tune``, ``method``, ``enable_backprop``, ``dict_key_x``, ``dict_key_y``,
-    ``backend``, ``backend_kwargs``, ``asdl_fisher_kwargs``) pass through by name with the
-    meaning :class:`LaplaceBase` documents, except ``batch_norm``: ``"eval"`` by default here,
-    as laplace-torch fits in eval mode. ``backend`` is laplace-torch's curvature backend (a
-    class or its name): a GGN backend means ``hessian="ggn"``, an empirical-Fisher one
-    ``hessian="empirical"``; the curvature is always this library's.
+    The classes' keyword options pass through by name with the meaning :class:`LaplaceBase`
+    documents (``batch_norm`` is ``"eval"`` by default here, as laplace-torch fits in eval
+    mode); ``backend`` is laplace-torch's curvature backend (a class or its name): a GGN
+    backend means ``hessian="ggn"``, an empirical-Fisher one ``hessian="empirical"``.
 
     Args:
         model: Any ``nn.Module`` at its MAP; never changed.
         likelihood: ``classification``, ``regression`` or ``reward_modeling``.
-        subset_of_weights: ``subnetwork``, ``last_layer`` (default, as laplace-torch: the weight
-            and bias of the last ``nn.Linear`` in registration order, or of the last module
-            that owns parameters when there is none, e.g. a 1x1 convolution head) or ``all``
-            (every parameter that requires grad).
-        hessian_structure: ``kron`` (default, as laplace-torch), ``full`` or ``diag``.
+        subset_of_weights: ``subnetwork``, ``last_layer`` (default: the last ``nn.Linear``
+            registered, else module with parameters; the fit checks it runs last) or ``all``.
+        hessian_structure: ``kron`` (default, as laplace-torch), ``full``, ``diag`` or ``gp``.
         subnetwork_indices: For ``subnetwork``: a 1-d LongTensor of indices into
             ``parameters_to_vector(model.parameters())`` (the posterior's order), or a
             :class:`ParamSubset`.
         last_layer_name: For ``last_layer``: the module whose parameters are the last layer.
-        feature_reduction: For ``last_layer``: laplace-torch's reduction of features between
-            the batch and the feature dim (``pick_first``, ``pick_last``, ``average``); the
-            last layer being linear, it reduces the output the same way (part of
-            ``output_fn``).
+        feature_reduction: For ``last_layer``: ``pick_first``, ``pick_last`` or ``average``
+            of the features between the batch and the feature dim (of the output, as linear).
         sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
         prior_precision: A number, one value per selected tensor, or a ``(P,)`` diagonal.
         prior_mean: A number or a ``(P,)`` vector.
         temperature: ``T``; the curvature is divided by it.
-        **unsupported: laplace-torch's options without a counterpart here (``subset=``, GP
-            or low-rank options, ``damping``): refused by name, never accepted and ignored.
+        n_subset: ``hessian_structure="gp"``: the context samples ``M`` (:class:`GPLaplace`).
+        independent_outputs: ``gp``: one kernel per output.
+        seed: ``gp``: seeds the draw of the context.
+        **unsupported: laplace-torch's options without a counterpart here (``subset=``,
+            low-rank options, ``damping``): refused by name, never accepted and ignored.
 
     Returns:
         The chosen class's posterior, not fitted.
@@ -132,6 +128,8 @@ def Laplace(
         unsupported,
     )
     given = locals()
+    if cls is GPLaplace or (n_subset, independent_outputs, seed) != (None, False, 0):
+        return _gp(given, subset, which, output_fn)
     options = {k: given[k] for k in CLASS_OPTIONS}
     la = cls(model, likelihood, subset, **options, subset_of_weights=which)
     if which is SubsetOfWeights.LAST_LAYER and last_layer_name is None:
@@ -161,11 +159,45 @@ def _chosen(
             "'kron' (Kronecker factors cover whole layers)"
         )
     cls = {
+        HessianStructure.GP: GPLaplace,
         HessianStructure.DIAG: DiagLaplace,
         HessianStructure.KRON: KronLaplace,
         HessianStructure.FULL: SubnetLaplace,
     }[structure]
     return cls, subset, which, output_fn
+
+
+#: the options :class:`GPLaplace` takes besides the context's; the others must keep their
+#: defaults (they name the parametric posterior's curvature and engine choices)
+_GP_OPTIONS = (
+    "sigma_noise", "prior_precision", "prior_mean", "temperature", "enable_backprop",
+    "dict_key_x", "dict_key_y", "backend", "backend_kwargs", "chunk_size", "memory_budget",
+    "batch_norm",
+)  # fmt: skip
+
+
+def _gp(given: dict[str, Any], subset: ParamSubset, which: SubsetOfWeights, output_fn: Any) -> Any:
+    """``hessian_structure="gp"``: a :class:`GPLaplace` (``n_subset`` required); the
+    parametric posterior's options left at their defaults (and the GP's at theirs for the
+    other structures)."""
+    if given["hessian_structure"] not in ("gp", HessianStructure.GP):
+        raise ValueError(
+            "n_subset, independent_outputs and seed are options of hessian_structure='gp'; got "
+            f"hessian_structure={given['hessian_structure']!r}"
+        )
+    if given["n_subset"] is None:
+        raise ArgumentTypeError("hessian_structure='gp' needs n_subset, the context samples M")
+    defaults = inspect.signature(Laplace).parameters
+    changed = [k for k in CLASS_OPTIONS if k not in _GP_OPTIONS and k != "output_fn"
+               and given[k] is not defaults[k].default]  # fmt: skip
+    if changed:
+        raise ValueError(f"hessian_structure='gp' does not take {changed}")
+    options = {k: given[k] for k in _GP_OPTIONS}
+    return GPLaplace(
+        given["model"], given["likelihood"], subset, n_subset=given["n_subset"],
+        independent_outputs=given["independent_outputs"], seed=given["seed"],
+        output_fn=output_fn, subset_of_weights=which, **options,
+    )  # fmt: skip
 
 
 def _refuse(unsupported: dict[str, Any]) -> None:
@@ -187,7 +219,7 @@ def _hessian_structure(value: Any) -> HessianStructure:
     try:
         return parse_enum(HessianStructure, value, "hessian_structure")
     except ValueError as err:
-        if value in ("lowrank", "gp"):
+        if value == "lowrank":
             raise ValueError(
                 f"{err} (laplace-torch's {value!r} has no counterpart here: 'full' is exact on "
                 "a subnetwork or the last layer, 'kron' and 'diag' cover every weight)"

@@ -23,7 +23,7 @@ from ._jacobian_rows import JacobianRows
 from ._options import LaplaceOptions
 from ._posterior import Posterior
 
-__all__ = ["optimize_prior_precision"]
+__all__ = ["optimize_gp_prior", "optimize_prior_precision", "validation_loss"]
 
 
 def optimize_prior_precision(
@@ -134,66 +134,109 @@ class _Tuner:
             for prec in with_progress(grid, show, "gridsearch", len(grid)):
                 self._la.prior_precision = prec.to(dtype)
                 try:
-                    results.append(self._validate(batches, loss, *how))
+                    likelihood, ignore = self._post.likelihood, o.ignore_index
+                    results.append(
+                        validation_loss(self._la, batches, loss, how, likelihood, ignore)
+                    )
                 except NotPositiveDefinite:
                     results.append(math.inf)
         return grid[min(range(len(results)), key=results.__getitem__)].to(dtype)
 
-    def _validate(
-        self,
-        batches: list[tuple[Any, Any]],
-        loss: Any,
-        pred: PredType,
-        link: LinkApprox,
-        n_samples: int,
-    ) -> float:
-        """The validation loss of the predictive (laplace-torch's ``validate``)."""
-        metric = loss is not None and hasattr(loss, "update") and hasattr(loss, "compute")
-        if metric and hasattr(loss, "reset"):
-            loss.reset()
-        outs: list[Any] = []
-        targets: list[Any] = []
-        total, count = 0.0, 0
-        for x, y in batches:
-            out = self._la(x, pred_type=pred, link_approx=link, n_samples=n_samples)
-            if loss is None:
-                s, c = self._default_loss(out, y)
-                total, count = total + s, count + c
-            elif metric:
-                _update_metric(loss, out, y)
-            else:
-                outs.append(out)
-                targets.append(y)
-        if loss is None:
-            return total / max(count, 1)
-        if metric:
-            return float(loss.compute().sum())
-        if isinstance(outs[0], tuple):
-            means, variances = zip(*outs)
-            return float(loss(_cat(means), _cat(variances), _cat(targets)))
-        return float(loss(_cat(outs), _cat(targets)))
 
-    def _default_loss(self, out: Any, y: Any) -> tuple[float, int]:
-        """Sum and count of laplace-torch's default validation loss on one batch: the negative
-        log probability of each valid label (classification), the squared error of each output
-        entry (regression)."""
-        if self._post.likelihood is Likelihood.REGRESSION:
-            mean = out[0]
-            means = list(mean) if isinstance(mean, list) else list(mean.unbind(0))
-            ys = split_targets(y, len(means))
-            sq = [((m.reshape(-1) - t.to(m).reshape(-1)) ** 2).sum() for m, t in zip(means, ys)]
-            return float(sum(sq)), sum(m.numel() for m in means)
-        probs = list(out) if isinstance(out, list) else list(out.unbind(0))
-        ys = split_targets(y, len(probs))
-        total, count = 0.0, 0
-        for pr, t in zip(probs, ys):
-            flat = pr.reshape(pr.shape[0], -1)
-            lab = t.to(flat.device).reshape(-1).long()
-            keep = lab != self._options.ignore_index
-            picked = flat.gather(0, torch.where(keep, lab, 0).unsqueeze(0)).squeeze(0)
-            total -= float(picked[keep].log().sum())
-            count += int(keep.sum())
-        return total, count
+def validation_loss(
+    la: Any,
+    batches: list[tuple[Any, Any]],
+    loss: Any,
+    how: tuple[Any, LinkApprox, int],
+    likelihood: Likelihood,
+    ignore_index: int,
+) -> float:
+    """The validation loss of ``la``'s predictive (laplace-torch's ``validate``): ``loss`` (a
+    metric with ``update``/``compute``, or a callable of the outputs and the targets), or by
+    default the negative log probability of each valid label (classification) or the squared
+    error of each output entry (regression), averaged."""
+    pred, link, n_samples = how
+    metric = loss is not None and hasattr(loss, "update") and hasattr(loss, "compute")
+    if metric and hasattr(loss, "reset"):
+        loss.reset()
+    outs: list[Any] = []
+    targets: list[Any] = []
+    total, count = 0.0, 0
+    for x, y in batches:
+        out = la(x, pred_type=pred, link_approx=link, n_samples=n_samples)
+        if loss is None:
+            s, c = _default_loss(out, y, likelihood, ignore_index)
+            total, count = total + s, count + c
+        elif metric:
+            _update_metric(loss, out, y)
+        else:
+            outs.append(out)
+            targets.append(y)
+    if loss is None:
+        return total / max(count, 1)
+    if metric:
+        return float(loss.compute().sum())
+    if isinstance(outs[0], tuple):
+        means, variances = zip(*outs)
+        return float(loss(_cat(means), _cat(variances), _cat(targets)))
+    return float(loss(_cat(outs), _cat(targets)))
+
+
+def _default_loss(out: Any, y: Any, likelihood: Likelihood, ignore_index: int) -> tuple[float, int]:
+    """Sum and count of laplace-torch's default validation loss on one batch."""
+    if likelihood is Likelihood.REGRESSION:
+        mean = out[0]
+        means = list(mean) if isinstance(mean, list) else list(mean.unbind(0))
+        ys = split_targets(y, len(means))
+        sq = [((m.reshape(-1) - t.to(m).reshape(-1)) ** 2).sum() for m, t in zip(means, ys)]
+        return float(sum(sq)), sum(m.numel() for m in means)
+    probs = list(out) if isinstance(out, list) else list(out.unbind(0))
+    ys = split_targets(y, len(probs))
+    total, count = 0.0, 0
+    for pr, t in zip(probs, ys):
+        flat = pr.reshape(pr.shape[0], -1)
+        lab = t.to(flat.device).reshape(-1).long()
+        keep = lab != ignore_index
+        picked = flat.gather(0, torch.where(keep, lab, 0).unsqueeze(0)).squeeze(0)
+        total -= float(picked[keep].log().sum())
+        count += int(keep.sum())
+    return total, count
+
+
+def optimize_gp_prior(
+    la: Any,
+    method: Any,
+    adam: tuple[Any, Any, Any],
+    val_loader: Iterable[Any] | None,
+    loss: Any,
+    grid: tuple[float, float, int],
+    how: tuple[Any, LinkApprox, int],
+    show: bool,
+) -> None:
+    """:class:`~._gp.GPLaplace`'s prior search: ``marglik`` (Adam on the log of the one
+    prior precision; ``adam`` is ``(n_steps, lr, init_prior_prec)``) or ``gridsearch`` over
+    ``logspace(*grid)`` of the validation loss (``how``: ``(pred_type, link, n_samples)``)."""
+    if parse_enum(TuningMethod, method, "method") is TuningMethod.MARGLIK:
+        steps, lr, init = adam
+        log_prec = torch.log(torch.as_tensor(init, dtype=la.mean.dtype)).reshape(1)
+        log_prec = log_prec.clone().requires_grad_(True)
+        opt = torch.optim.Adam([log_prec], lr=check_positive_number(lr, "lr"))
+        for _ in with_progress(range(check_positive_int(steps, "n_steps")), show, "marglik"):
+            opt.zero_grad()
+            (-la.log_marginal_likelihood(prior_precision=log_prec.exp())).backward()
+            opt.step()
+        la.prior_precision = log_prec.detach().exp()
+        return
+    if val_loader is None:
+        raise ValueError("method='gridsearch' needs val_loader, an iterable of (inputs, targets)")
+    batches = [pair(b) for b in DictPairs(val_loader, la.options.dict_key_x, la.options.dict_key_y)]
+    values = torch.logspace(float(grid[0]), float(grid[1]), check_positive_int(grid[2], "grid_size"),
+                            dtype=la.mean.dtype)  # fmt: skip
+    scores = []
+    for prec in with_progress(values, show, "gridsearch", len(values)):
+        la.prior_precision = prec
+        scores.append(validation_loss(la, batches, loss, how, la.likelihood, -100))
+    la.prior_precision = values[min(range(len(scores)), key=scores.__getitem__)]
 
 
 def _method_and_pred_type(

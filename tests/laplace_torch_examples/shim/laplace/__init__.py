@@ -183,8 +183,9 @@ def _kinds(obj) -> set[str]:
 def _structure(obj) -> str | None:
     """The hessian_structure of a multiscale_jac Laplace object (None for anything else).
     [shim fix, 2026-12-05: DiagLaplace and KronLaplace are not SubnetLaplace subclasses]"""
+    # [shim fix, 2026-12-08] the library's GPLaplace (hessian_structure="gp") too
     for cls, name in ((getattr(_mjl, "KronLaplace", None), "kron"), (_mjl.DiagLaplace, "diag"),
-                      (_mjl.SubnetLaplace, "full")):
+                      (_mjl.SubnetLaplace, "full"), (getattr(_mjl, "GPLaplace", None), "gp")):
         if cls is not None and isinstance(obj, cls):
             return name
     return None
