@@ -454,6 +454,10 @@ NOT_MEASURED: dict[str, dict[str, tuple[str, Callable[[], bool] | None]]] = {
         ),
         "32 MiB of Jacobian rows are held at a time": _ROWS,
         "working set (64 MiB on CPU)": _WORKSET,
+        "up to 512 MiB (half of 1 GiB;": (
+            "the GP Laplace's default bytes of its context's Jacobians (a setting)",
+            _setting("_memory", "GP_CONTEXT_BYTES", 1024 * MIB),
+        ),
     },
 }
 
