@@ -363,38 +363,6 @@ def ci_run(suite_log: str, fast_log: str) -> dict[str, Any]:
     return {"commit": commit, "date": date, "suite": summary(suite_log), "fast": summary(fast_log)}
 
 
-def laplace_diag_table(results: Results) -> str:
-    """``bench_laplace_diag.json``: seconds and training steps against the mean of a training
-    step timed before and after."""
-    rows = [
-        ["training step (mean of before and after)", secs(results["train_step_seconds"]), "1.00"]
-    ]
-    rows += [
-        [f"`{name}`", secs(r["seconds"]), steps(r)]
-        for name, r in results["methods"].items()
-        if name != "train_step"
-    ]
-    return table(["method", "s", "x step"], rows)
-
-
-def packing_table(results: Results) -> str:
-    """``bench_multires.json``'s ``map_levels`` part: the work and the times of each packing;
-    stacking every level is computed, not run."""
-    work, times = results["map_levels"]["work_ratio"], results["map_levels"]["packings"]
-    names = {
-        "canvas": "canvas (gutter 2)",
-        "loop": "per-level loop",
-        "stack_padded_to_largest": "stack every level padded to the largest (computed, not run)",
-    }
-    rows = [
-        [label, num(work.get(key))]
-        + [secs(times.get(key, {}).get(k)) for k in ("forward", "train_step", "jacobian")]
-        for key, label in names.items()
-    ]
-    head = ["packing", "work / useful", "forward s", "training step s", "per-sample Jacobian s"]
-    return table(head, rows)
-
-
 def rows_table(results: Results, grid: str) -> str:
     """``bench_rows.py``'s table for ``grid`` (``speed``, ``loop``) and what produced it."""
     r = results[grid]
@@ -427,9 +395,7 @@ FIGURES: dict[str, Callable[[Results], str]] = {
     "guide-jacnorm": lambda r: guide_figures(
         r, "jacnorm", ("cnn3", "cnn8"), "the value and its gradient"
     ),
-    "laplace-diag": laplace_diag_table,
     "ci": ci_times,
-    "packing": packing_table,
     "rows-speed": lambda r: rows_table(r, "speed"),
     "rows-loop": lambda r: rows_table(r, "loop"),
 }

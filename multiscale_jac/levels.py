@@ -77,7 +77,8 @@ class LevelOutputs(list):
         self.reason = reason
 
 
-#: What ``packing="auto"`` runs, per device type (measured with the former ``benchmarks/bench_multires.py``, before c12b9a0).
+#: What ``packing="auto"`` runs, per device type (the canvas elsewhere: see docs/padded.md,
+#: "Which packing is the default"; not measured by the current benchmarks).
 AUTO_PACKING: dict[str, str] = {"cpu": "loop"}
 _AUTO_PACKING_OTHER = "canvas"
 

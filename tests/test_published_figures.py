@@ -625,8 +625,6 @@ def test_the_pages_that_cite_measurements_carry_their_blocks() -> None:
     for page, names in {
         "docs/guide-ewc.md": {"guide-fisher"},
         "docs/guide-jacobian-regularisation.md": {"guide-jacnorm"},
-        "docs/laplace.md": {"laplace-diag"},
-        "docs/padded.md": {"packing"},
     }.items():
         assert names <= set(_blocks(ROOT / page)), page
 
