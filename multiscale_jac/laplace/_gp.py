@@ -119,6 +119,9 @@ class GPLaplace:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int; got {seed!r}")
         self.seed = seed
+        subset = self._twin.subset
+        #: the MAP ``(P,)``: the model's values of the entries (the GP's mean is the network)
+        self.mean = subset.flatten(subset.check_model(model)).detach().clone()
         self.prior_precision = prior_precision
         options = self._twin.options
         self._context = GPContext(
@@ -133,10 +136,8 @@ class GPLaplace:
         self.n_outputs = 0
 
     # ------------------------------------------------------------------ options and state
-    #: the twin's: the network, the MAP ``(P,)`` (the GP's mean function is the network),
-    #: the entries, the options, laplace-torch's ``backend`` (its ``jacobians``)
+    #: the twin's: the network, the entries, the options, laplace-torch's ``backend``
     model = _twin_property("model", "The network.")
-    mean = _twin_property("mean", "The MAP ``(P,)`` (the GP's mean is the network itself).")
     n_params = _twin_property("n_params", "``P``, the entries the kernel is over.")
     subset = _twin_property("subset", "The entries the kernel is over.")
     subset_of_weights = _twin_property("subset_of_weights", "laplace-torch's, from Laplace().")
