@@ -102,6 +102,10 @@ def test_gp_refuses_bad_options_by_name() -> None:
         mjl.Laplace(model, "classification", "all", "gp", n_subset=5).fit(data)(
             torch.randn(2, 4).double(), pred_type="nn"
         )
+    dense = nn.Conv2d(2, 3, 3, padding=1).double()  # per-pixel logits (3, 4, 4) per sample
+    images = [(torch.randn(4, 2, 4, 4).double(), torch.randint(3, (4, 4, 4)))]
+    with pytest.raises(ValueError, match=r"one vector \(O,\) per sample.*\(3, 4, 4\)"):
+        mjl.Laplace(dense, "classification", "all", "gp", n_subset=3).fit(images)
     assert isinstance(mjl.Laplace(model, "classification", "all", "gp", n_subset=5),
                       mjl.BaseLaplace)  # fmt: skip
 

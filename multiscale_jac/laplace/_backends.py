@@ -107,7 +107,7 @@ class CurvatureBackend:
         hessian: What it means here (``ggn`` or ``empirical``).
         subnetwork_indices: The posterior's entries as indices into
             ``parameters_to_vector(model.parameters())``, in the posterior's order.
-        jacobians: ``(x, enable_backprop) -> (Js, f)`` from the posterior's own stream.
+        jacobians: ``(x, enable_backprop, vector) -> (Js, f)`` from the posterior's own stream.
         last_layer: The posterior is over the last layer.
     """
 
@@ -116,7 +116,7 @@ class CurvatureBackend:
         name: str | None,
         hessian: HessianKind,
         subnetwork_indices: Tensor,
-        jacobians: Callable[[Any, bool | None], tuple[Tensor, Tensor]],
+        jacobians: Callable[[Any, bool | None, bool], tuple[Tensor, Tensor]],
         *,
         last_layer: bool,
     ) -> None:
@@ -124,16 +124,19 @@ class CurvatureBackend:
         self.subnetwork_indices = subnetwork_indices
         self._jacobians, self._last_layer = jacobians, last_layer
 
-    def jacobians(self, x: Any, enable_backprop: bool | None = None) -> tuple[Tensor, Tensor]:
+    def jacobians(
+        self, x: Any, enable_backprop: bool | None = None, *, vector: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """laplace-torch's ``backend.jacobians``: per-sample Jacobians over the posterior's
         entries ``(N, O, P)`` and the outputs ``(N, O)`` (after ``output_fn``; every sample's
-        output of one size), from the posterior's own stream.
+        output of one size, flattened), from the posterior's own stream.
 
         Args:
             x: The inputs (anything :func:`~multiscale_jac.pack` accepts).
             enable_backprop: Keep the graph to ``x`` (``None``: the posterior's setting).
+            vector: Refuse outputs that are not one vector ``(O,)`` per sample (dense maps).
         """
-        return self._jacobians(x, enable_backprop)
+        return self._jacobians(x, enable_backprop, vector)
 
     def last_layer_jacobians(
         self, x: Any, enable_backprop: bool | None = None

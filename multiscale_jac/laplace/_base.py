@@ -688,12 +688,13 @@ class LaplaceBase(LaplaceCalls):
             self._options.backend_name,
             self._options.hessian,
             self._prep.subset.flat_indices(),
-            lambda x, keep: self._rows.stacked(
+            lambda x, keep, vector: self._rows.stacked(
                 self._predictive.inputs(x),
                 self._posterior.likelihood,
                 self._options.enable_backprop
                 if keep is None
                 else check_bool(keep, "enable_backprop"),
+                vector=vector,
             ),
             last_layer=self._which is SubsetOfWeights.LAST_LAYER,
         )

@@ -125,7 +125,7 @@ class GPLaplace:
         self.prior_precision = prior_precision
         options = self._twin.options
         self._context = GPContext(
-            lambda x: self.backend.jacobians(x, False),
+            lambda x: self._jacobians(x, False),
             options.chunk_size,
             options.memory_budget,
             (options.dict_key_x, options.dict_key_y),
@@ -196,6 +196,12 @@ class GPLaplace:
     def mu(self) -> Tensor:
         """The scatter term's residuals ``(M, O)``."""
         return self._fitted().mu
+
+    def _jacobians(self, x: Any, keep: bool) -> tuple[Tensor, Tensor]:
+        try:
+            return self.backend.jacobians(x, keep, vector=True)
+        except ValueError as err:
+            raise ValueError(f"hessian_structure='gp': {err}") from None
 
     def _fitted(self) -> GPTerms:
         if self._terms is None:
@@ -279,7 +285,7 @@ class GPLaplace:
         """The network's outputs ``(n, O)`` and the GP's covariance ``(n, O, O)`` at ``x``
         (``joint``: ``(n O,)`` and ``(n O, n O)``)."""
         terms = self._fitted()
-        j_star, f_mu = self.backend.jacobians(x, self._twin.enable_backprop)
+        j_star, f_mu = self._jacobians(x, self._twin.enable_backprop)
         s = self.gp_kernel_prior_variance
         chol = terms.cholesky(s, self._h_factor)
         k_m_star = self._context.k_m_star(j_star, self.independent_outputs)

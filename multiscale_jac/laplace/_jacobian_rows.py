@@ -332,10 +332,10 @@ class JacobianRows:
             start = stop
 
     def stacked(
-        self, inputs: Any, likelihood: Likelihood, enable_backprop: bool
+        self, inputs: Any, likelihood: Likelihood, enable_backprop: bool, *, vector: bool = False
     ) -> tuple[Tensor, Tensor]:
         """Every sample's Jacobian ``(N, O, P)`` and outputs ``(N, O)`` (``la.backend``'s
-        ``jacobians``); outputs of one size per sample only."""
+        ``jacobians``); outputs of one size per sample only (``vector``: one vector each)."""
         packed = self._prep.pack(inputs)
         rows: list[list[Tensor]] = [[] for _ in range(packed.num_samples)]
         outs: list[list[Tensor]] = [[] for _ in range(packed.num_samples)]
@@ -347,6 +347,11 @@ class JacobianRows:
         for block in blocks:
             if block.jac is None:  # pragma: no cover - predictive blocks carry rows
                 raise RuntimeError("internal error: a block without Jacobian rows")
+            if vector and len(block.shape) != 1:
+                raise ValueError(
+                    "the outputs must be one vector (O,) per sample; got per-sample output "
+                    f"shape {tuple(block.shape)} (dense outputs)"
+                )
             rows[block.i].append(block.jac)
             outs[block.i].append(block.out.reshape(-1))
         js = [torch.cat(r) for r in rows]
