@@ -122,3 +122,17 @@ def test_gp_agrees_with_laplace_torch(laplace_torch) -> None:
     assert set(worst) == {"predictive", "log_marginal_likelihood", "scatter", "log_det_ratio",
                           "tuned prior"}  # fmt: skip
     assert all(v < ROUND_OFF for v in worst.values()), worst
+
+
+def test_gp_last_layer_without_a_name_is_checked_by_the_fit() -> None:
+    """A head registered before its body: the last nn.Linear registered does not run last, so
+    the GP over "the last layer" is refused at fit, as the parametric posteriors."""
+    from test_laplace import _HeadFirst
+
+    x, y = torch.randn(6, 3), torch.randint(2, (6,))
+    la = mjl.Laplace(_HeadFirst(), "classification", "last_layer", "gp", n_subset=4)
+    with pytest.raises(ValueError, match=r"took 'body.0'.*ran before 'head'"):
+        la.fit([(x, y)])
+    named = mjl.Laplace(_HeadFirst(), "classification", "last_layer", "gp", n_subset=4,
+                        last_layer_name="head")  # fmt: skip
+    assert named.fit([(x, y)]).K_MM.shape == (8, 8)

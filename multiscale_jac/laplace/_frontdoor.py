@@ -129,9 +129,10 @@ def Laplace(
     )
     given = locals()
     if cls is GPLaplace or (n_subset, independent_outputs, seed) != (None, False, 0):
-        return _gp(given, subset, which, output_fn)
-    options = {k: given[k] for k in CLASS_OPTIONS}
-    la = cls(model, likelihood, subset, **options, subset_of_weights=which)
+        la = _gp(given, subset, which, output_fn)
+    else:
+        la = cls(model, likelihood, subset, **{k: given[k] for k in CLASS_OPTIONS},
+                 subset_of_weights=which)  # fmt: skip
     if which is SubsetOfWeights.LAST_LAYER and last_layer_name is None:
         la._check_last_layer_at_fit(default_last_layer(model)[0])
     return la

@@ -197,6 +197,11 @@ class GPLaplace:
         """The scatter term's residuals ``(M, O)``."""
         return self._fitted().mu
 
+    def _check_last_layer_at_fit(self, name: str) -> None:
+        """The front door's last layer found without ``last_layer_name``: :meth:`fit` checks
+        that module ``name`` runs last (on the first context sample)."""
+        self._twin._check_last_layer_at_fit(name)
+
     def _jacobians(self, x: Any, keep: bool) -> tuple[Tensor, Tensor]:
         try:
             return self.backend.jacobians(x, keep, vector=True)
@@ -220,6 +225,7 @@ class GPLaplace:
         show = check_bool(progress_bar, "progress_bar")
         ctx = self._context
         self.n_data = ctx.draw(train_loader, self.n_subset, self.seed)
+        self._twin._first_batch(ctx.x)
         lam, mu, loss = [], [], 0.0
         for a, b, js, f in with_progress(ctx.first_pass(), show, "fit"):
             ys = ctx.y[a:b]  # type: ignore[index]
