@@ -102,11 +102,10 @@ def Laplace(
             ``parameters_to_vector(model.parameters())`` (the posterior's order), or a
             :class:`ParamSubset`.
         last_layer_name: For ``last_layer``: the module whose parameters are the last layer.
-        feature_reduction: For ``last_layer``: ``pick_first``, ``pick_last`` or ``average``
-            of the features between the batch and the feature dim (of the output, as linear).
+        feature_reduction: For ``last_layer``: ``pick_first``, ``pick_last``, ``average``.
         sigma_noise: Gaussian noise scale (regression; must be 1 for classification).
         prior_precision: A number, one value per selected tensor, or a ``(P,)`` diagonal.
-        prior_mean: A number or a ``(P,)`` vector.
+        prior_mean: A number or ``(P,)``.
         temperature: ``T``; the curvature is divided by it.
         n_subset: ``hessian_structure="gp"``: the context samples ``M`` (:class:`GPLaplace`).
         independent_outputs: ``gp``: one kernel per output.
@@ -131,8 +130,8 @@ def Laplace(
     if cls is GPLaplace or (n_subset, independent_outputs, seed) != (None, False, 0):
         la = _gp(given, subset, which, output_fn)
     else:
-        la = cls(model, likelihood, subset, **{k: given[k] for k in CLASS_OPTIONS},
-                 subset_of_weights=which)  # fmt: skip
+        options = {k: given[k] for k in CLASS_OPTIONS}
+        la = cls(model, likelihood, subset, **options, subset_of_weights=which)
     if which is SubsetOfWeights.LAST_LAYER and last_layer_name is None:
         la._check_last_layer_at_fit(default_last_layer(model)[0])
     return la
