@@ -470,11 +470,17 @@ def plot_sweep(results: Results, family: str, param: str, path: Path) -> Path | 
         return None
     size = (WIDTH, 3.2 + 0.18 * len(lines))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=size, layout="constrained")
+    # a colour per method, a marker and a dash per cell: no two lines look alike
+    names = sorted({k.split(" ", 1)[1] for k in lines}), sorted({k.split(" ")[0] for k in lines})
     for label, pts in lines.items():
-        (line,) = a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        cell, name = label.split(" ", 1)
+        k = names[1].index(cell)
+        look = {"color": f"C{names[0].index(name) % 10}", "marker": "osD^"[k % 4],
+                "linestyle": ("-", "--", ":", "-.")[k % 4]}  # fmt: skip
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **look)
         mem = [(p[0], p[2] / MIB) for p in pts if p[2]]
         if mem:
-            a2.plot(*zip(*mem), marker="o", color=line.get_color())
+            a2.plot(*zip(*mem), **look)
     xs = sorted({p[0] for pts in lines.values() for p in pts})
     for ax, ylab in ((a1, "seconds"), (a2, "peak MiB")):
         ax.set(xscale="log", yscale="log", ylabel=ylab)
