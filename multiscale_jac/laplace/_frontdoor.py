@@ -128,7 +128,7 @@ def Laplace(
     )
     given = locals()
     if cls is GPLaplace or (n_subset, independent_outputs, seed) != (None, False, 0):
-        la = _gp(given, subset, which, output_fn)
+        la = _gp(given, cls is GPLaplace, subset, which, output_fn)
     else:
         options = {k: given[k] for k in CLASS_OPTIONS}
         la = cls(model, likelihood, subset, **options, subset_of_weights=which)
@@ -176,11 +176,13 @@ _GP_OPTIONS = (
 )  # fmt: skip
 
 
-def _gp(given: dict[str, Any], subset: ParamSubset, which: SubsetOfWeights, output_fn: Any) -> Any:
+def _gp(
+    given: dict[str, Any], gp: bool, subset: ParamSubset, which: SubsetOfWeights, output_fn: Any
+) -> Any:
     """``hessian_structure="gp"``: a :class:`GPLaplace` (``n_subset`` required); the
     parametric posterior's options left at their defaults (and the GP's at theirs for the
     other structures)."""
-    if given["hessian_structure"] not in ("gp", HessianStructure.GP):
+    if not gp:
         raise ValueError(
             "n_subset, independent_outputs and seed are options of hessian_structure='gp'; got "
             f"hessian_structure={given['hessian_structure']!r}"

@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_bool, check_generator, check_positive_int, check_positive_number
+from .._checks import (
+    check_bool,
+    check_generator,
+    check_int,
+    check_positive_int,
+    check_positive_number,
+)
 from .._stream import with_progress
 from ..enums import Likelihood, LinkApprox, TuningMethod, parse_enum
 from ..subset import ParamSubset
@@ -116,9 +122,7 @@ class GPLaplace:
             )
         self.n_subset = check_positive_int(n_subset, "n_subset")
         self.independent_outputs = check_bool(independent_outputs, "independent_outputs")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int; got {seed!r}")
-        self.seed = seed
+        self.seed = check_int(seed, "seed")
         subset = self._twin.subset
         #: the MAP ``(P,)``: the model's values of the entries (the GP's mean is the network)
         self.mean = subset.flatten(subset.check_model(model)).detach().clone()
@@ -225,7 +229,7 @@ class GPLaplace:
         show = check_bool(progress_bar, "progress_bar")
         ctx = self._context
         self.n_data = ctx.draw(train_loader, self.n_subset, self.seed)
-        self._twin._first_batch(ctx.x)
+        self._twin._first_batch(ctx.first())
         lam, mu, loss = [], [], 0.0
         for a, b, js, f in with_progress(ctx.first_pass(), show, "fit"):
             ys = ctx.y[a:b]  # type: ignore[index]
@@ -267,16 +271,18 @@ class GPLaplace:
             Classification: probabilities ``(n, C)``. Regression: ``(f_mu, f_var)``,
             ``(n, O)`` and ``(n, O, O)``.
         """
-        if getattr(pred_type, "value", pred_type) not in ("gp", "glm"):
-            raise ValueError(
-                f"hessian_structure='gp' predicts with pred_type='gp'; got {pred_type!r}"
-            )
+        _check_pred_type(pred_type)
+        joint, diagonal = check_bool(joint, "joint"), check_bool(diagonal_output, "diagonal_output")
+        n_samples, generator = (
+            check_positive_int(n_samples, "n_samples"),
+            check_generator(generator),
+        )
         if check_bool(fitting, "fitting"):
             raise ValueError("fitting=True is reward modelling's; hessian_structure='gp' has none")
         link = parse_enum(LinkApprox, link_approx, "link_approx")
-        f_mu, f_var = self.predictive_moments(x, joint=check_bool(joint, "joint"))
+        f_mu, f_var = self.predictive_moments(x, joint=joint)
         if self.likelihood is Likelihood.REGRESSION:
-            if check_bool(diagonal_output, "diagonal_output") and not joint:
+            if diagonal and not joint:
                 return f_mu, torch.diagonal(f_var, dim1=1, dim2=2)
             return f_mu, f_var
         if link is LinkApprox.PROBIT:
@@ -284,8 +290,7 @@ class GPLaplace:
             return torch.softmax(kappa * f_mu, dim=-1)
         if link in (LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM):
             return _bridge(f_mu, f_var, normalised=link is LinkApprox.BRIDGE_NORM)
-        draws = _draw(f_mu, f_var, check_positive_int(n_samples, "n_samples"), generator)
-        return torch.softmax(draws, dim=-1).mean(0)
+        return torch.softmax(_draw(f_mu, f_var, n_samples, generator), dim=-1).mean(0)
 
     def predictive_moments(self, x: Any, *, joint: bool = False) -> tuple[Tensor, Tensor]:
         """The network's outputs ``(n, O)`` and the GP's covariance ``(n, O, O)`` at ``x``
@@ -307,10 +312,12 @@ class GPLaplace:
         generator: torch.Generator | None = None,
     ) -> Tensor:
         """Draws ``(n_samples, n, O)`` of the GP at ``x``."""
+        _check_pred_type(pred_type)
         f_mu, f_var = self.predictive_moments(x)
         if check_bool(diagonal_output, "diagonal_output"):
             f_var = torch.diag_embed(torch.diagonal(f_var, dim1=1, dim2=2))
-        return _draw(f_mu, f_var, check_positive_int(n_samples, "n_samples"), generator)
+        n = check_positive_int(n_samples, "n_samples")
+        return _draw(f_mu, f_var, n, check_generator(generator))
 
     def predictive_samples(
         self,
@@ -388,7 +395,8 @@ class GPLaplace:
                 f"hessian_structure='gp' takes prior_structure='scalar'; got {prior_structure!r}"
             )
         grid = (log_prior_prec_min, log_prior_prec_max, grid_size)
-        how = ("gp", parse_enum(LinkApprox, link_approx, "link_approx"), n_samples)
+        link = parse_enum(LinkApprox, link_approx, "link_approx")
+        how = ("gp", link, check_positive_int(n_samples, "n_samples"))
         optimize_gp_prior(self, method, (n_steps, lr, init_prior_prec), val_loader, loss, grid,
                           how, check_bool(progress_bar, "progress_bar"))  # fmt: skip
         if check_bool(verbose, "verbose"):
@@ -439,9 +447,15 @@ class GPLaplace:
         )
 
 
+def _check_pred_type(pred_type: Any) -> None:
+    """``gp`` (``glm`` means the same here: the linearised network); ``nn`` is refused."""
+    if getattr(pred_type, "value", pred_type) not in ("gp", "glm"):
+        raise ValueError(f"hessian_structure='gp' predicts with pred_type='gp'; got {pred_type!r}")
+
+
 def _draw(mean: Tensor, cov: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
-    """``n`` draws of ``N(mean_i, cov_i)`` per sample: ``(n, *mean.shape)``."""
-    generator = check_generator(generator)
+    """``n`` draws of ``N(mean_i, cov_i)`` per sample: ``(n, *mean.shape)`` (checked
+    arguments)."""
     eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
     chol = torch.linalg.cholesky(cov + 1e-10 * eye)  # a jitter: the GP's covariance is PSD
     z = torch.randn((n, *mean.shape), generator=generator, dtype=mean.dtype).to(mean.device)

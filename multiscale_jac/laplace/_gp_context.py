@@ -66,20 +66,25 @@ class GPContext:
         self.x, self.y = _take(x, idx), y[idx]
         return n
 
+    def first(self) -> Any:
+        """The first context sample's inputs, a batch of one."""
+        return _take(self.x, torch.arange(1))
+
     def first_pass(self) -> Iterator[tuple[int, int, Tensor, Tensor]]:
         """``(a, b, J, f)`` of every chunk ``[a, b)`` of the context, in order (the first chunk
         is one sample: its bytes size the others); the first group's Jacobians are kept."""
         if self.y is None:
             raise RuntimeError("call fit() before using the GP posterior")
         self.bounds, self._bytes, self._kept = [], [], {}
-        a, m, step = 0, int(self.y.shape[0]), self._step
+        a, m, step, total = 0, int(self.y.shape[0]), self._step, 0
         while a < m:
             b = min(m, a + (step or 1))
             js, f = self._jacobians_of(_take(self.x, torch.arange(a, b)))
             if step is None:
                 step = max(1, self._cap() // tensor_bytes(js[0].numel(), js.element_size()))
             self._bytes.append(tensor_bytes(js.numel(), js.element_size()))
-            if sum(self._bytes) <= self._hold() // 2:
+            total += self._bytes[-1]
+            if total <= self._hold() // 2:
                 self._kept[(a, b)] = (js, f)
             self.bounds.append((a, b))
             yield a, b, js, f

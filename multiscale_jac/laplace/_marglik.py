@@ -104,14 +104,7 @@ class _Tuner:
             subset = self._post.subset
             k = subset.numel if structure is PriorStructure.DIAG else len(subset.names)
             start = start.expand(k).clone()
-        log_prec = start.log().clone().requires_grad_(True)
-        opt = torch.optim.Adam([log_prec], lr=lr)
-        for _ in with_progress(range(n_steps), show, "optimize_prior_precision", n_steps):
-            opt.zero_grad()
-            loss = -self._la.log_marginal_likelihood(prior_precision=log_prec.exp())
-            loss.backward()
-            opt.step()
-        self._la.prior_precision = log_prec.detach().exp()
+        _adam_on_log_prior(self._la, start, n_steps, lr, show)
 
     def gridsearch(
         self,
@@ -218,14 +211,9 @@ def optimize_gp_prior(
     ``logspace(*grid)`` of the validation loss (``how``: ``(pred_type, link, n_samples)``)."""
     if parse_enum(TuningMethod, method, "method") is TuningMethod.MARGLIK:
         steps, lr, init = adam
-        log_prec = torch.log(torch.as_tensor(init, dtype=la.mean.dtype)).reshape(1)
-        log_prec = log_prec.clone().requires_grad_(True)
-        opt = torch.optim.Adam([log_prec], lr=check_positive_number(lr, "lr"))
-        for _ in with_progress(range(check_positive_int(steps, "n_steps")), show, "marglik"):
-            opt.zero_grad()
-            (-la.log_marginal_likelihood(prior_precision=log_prec.exp())).backward()
-            opt.step()
-        la.prior_precision = log_prec.detach().exp()
+        start = torch.as_tensor(init, dtype=la.mean.dtype).reshape(1)
+        steps = check_positive_int(steps, "n_steps")
+        _adam_on_log_prior(la, start, steps, check_positive_number(lr, "lr"), show)
         return
     if val_loader is None:
         raise ValueError("method='gridsearch' needs val_loader, an iterable of (inputs, targets)")
@@ -237,6 +225,18 @@ def optimize_gp_prior(
         la.prior_precision = prec
         scores.append(validation_loss(la, batches, loss, how, la.likelihood, -100))
     la.prior_precision = values[min(range(len(scores)), key=scores.__getitem__)]
+
+
+def _adam_on_log_prior(la: Any, start: Tensor, n_steps: int, lr: float, show: bool) -> None:
+    """Adam on ``log prior_precision`` from ``start`` against ``la``'s negative evidence;
+    stores the result in ``la.prior_precision``."""
+    log_prec = start.detach().log().clone().requires_grad_(True)
+    opt = torch.optim.Adam([log_prec], lr=lr)
+    for _ in with_progress(range(n_steps), show, "optimize_prior_precision", n_steps):
+        opt.zero_grad()
+        (-la.log_marginal_likelihood(prior_precision=log_prec.exp())).backward()
+        opt.step()
+    la.prior_precision = log_prec.detach().exp()
 
 
 def _method_and_pred_type(
