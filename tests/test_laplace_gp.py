@@ -136,3 +136,16 @@ def test_gp_last_layer_without_a_name_is_checked_by_the_fit() -> None:
     named = mjl.Laplace(_HeadFirst(), "classification", "last_layer", "gp", n_subset=4,
                         last_layer_name="head")  # fmt: skip
     assert named.fit([(x, y)]).K_MM.shape == (8, 8)
+
+
+def test_unfitted_last_layer_gp_takes_a_prior_and_a_state() -> None:
+    """A last-layer GP found without a name (its twin's mean is None until the fit, as
+    laplace-torch's) still takes a prior precision and a saved state before any fit."""
+    model, data, query = _data("regression", 2)
+    la = mjl.Laplace(model, "regression", "last_layer", "gp", n_subset=9).fit(data)
+    again = mjl.Laplace(model, "regression", "last_layer", "gp", n_subset=9)
+    again.prior_precision = 3.0
+    assert again.prior_precision.tolist() == [3.0]
+    again.load_state_dict(la.state_dict())
+    for x, y in zip(la(query), again(query)):
+        torch.testing.assert_close(y, x, atol=0, rtol=0)

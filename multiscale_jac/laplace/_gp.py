@@ -160,7 +160,7 @@ class GPLaplace:
 
     @prior_precision.setter
     def prior_precision(self, value: Any) -> None:
-        mean = self._twin.mean
+        mean = self.mean
         if isinstance(value, Tensor):
             if value.numel() != 1 or value.dim() > 1:
                 raise ValueError(
